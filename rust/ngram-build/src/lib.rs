@@ -1,0 +1,1 @@
+//! Building DART n-gram models (being written).

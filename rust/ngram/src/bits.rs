@@ -1,0 +1,263 @@
+//! Bit-packed arrays of fixed-width unsigned integers, as stored in the model's columns.
+//!
+//! Value `i` of a `width`-bit array occupies bits `i*width .. (i+1)*width` of the section, bit 0
+//! being the least significant bit of byte 0 (little-endian bit order). A section holding `n`
+//! values is `packed_bytes(n, width)` long: the bits rounded up to whole 8-byte words plus one
+//! zero word of slack, so a reader can always load 8 (or 16) bytes at a value's first byte
+//! without a bounds special case.
+
+use std::io::{self, Write};
+
+/// Bits needed to store every value in `0..=max_value` (at least 1).
+#[inline]
+pub fn width_for(max_value: u64) -> u32 {
+    (64 - max_value.leading_zeros()).max(1)
+}
+
+/// Byte length of a section holding `n` values of `width` bits (see the module docs).
+pub fn packed_bytes(n: u64, width: u32) -> Option<u64> {
+    let bits = n.checked_mul(u64::from(width))?;
+    let words = bits.div_ceil(64);
+    words.checked_add(1)?.checked_mul(8)
+}
+
+#[inline]
+fn mask(width: u32) -> u64 {
+    if width >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << width) - 1
+    }
+}
+
+/// A read-only view of a packed array inside a mapped file.
+///
+/// Constructed only over a byte slice whose length was checked against
+/// [`packed_bytes`] (see [`Packed::new`]), so `get(i)` with `i < len` never reads outside it.
+#[derive(Clone, Copy, Debug)]
+pub struct Packed<'a> {
+    bytes: &'a [u8],
+    len: u64,
+    width: u32,
+    mask: u64,
+}
+
+impl<'a> Packed<'a> {
+    /// A view of `len` values of `width` bits (1..=64); `None` if `bytes` is too short.
+    pub fn new(bytes: &'a [u8], len: u64, width: u32) -> Option<Self> {
+        if !(1..=64).contains(&width) {
+            return None;
+        }
+        let need = packed_bytes(len, width)?;
+        if (bytes.len() as u64) < need {
+            return None;
+        }
+        Some(Packed {
+            bytes,
+            len,
+            width,
+            mask: mask(width),
+        })
+    }
+
+    #[inline]
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[inline]
+    pub fn width(&self) -> u32 {
+        self.width
+    }
+
+    /// Value `i`; the caller guarantees `i < len` (checked in debug builds). An index past the
+    /// end still cannot read outside the slice: it panics through the slice bounds check
+    /// rather than returning garbage, and no caller passes one (file-derived indexes are
+    /// checked against `len` first).
+    #[inline]
+    pub fn get(&self, i: u64) -> u64 {
+        debug_assert!(i < self.len, "packed index {i} >= len {}", self.len);
+        let bit = i * u64::from(self.width);
+        let byte = (bit >> 3) as usize;
+        let shift = (bit & 7) as u32;
+        let lo = load_u64(self.bytes, byte);
+        let mut v = lo >> shift;
+        if shift + self.width > 64 {
+            // Only widths above 56 bits can straddle 9 bytes; the slack word keeps this in range.
+            let hi = u64::from(self.bytes[byte + 8]);
+            v |= hi << (64 - shift);
+        }
+        v & self.mask
+    }
+
+    /// Index of the first value in `lo..hi` that is `>= target`, assuming that range is sorted
+    /// ascending (`hi` if none). Branch-light binary search; short ranges are scanned.
+    #[inline]
+    pub fn lower_bound(&self, mut lo: u64, hi: u64, target: u64) -> u64 {
+        let mut n = hi - lo;
+        while n > 8 {
+            let half = n / 2;
+            // Conditional move rather than a branch: the outcome is unpredictable.
+            lo = if self.get(lo + half - 1) < target { lo + half } else { lo };
+            n -= half;
+        }
+        while n > 0 && self.get(lo) < target {
+            lo += 1;
+            n -= 1;
+        }
+        lo
+    }
+
+    /// Index of `target` in the sorted range `lo..hi`, if present.
+    #[inline]
+    pub fn find(&self, lo: u64, hi: u64, target: u64) -> Option<u64> {
+        let i = self.lower_bound(lo, hi, target);
+        (i < hi && self.get(i) == target).then_some(i)
+    }
+}
+
+#[inline]
+fn load_u64(bytes: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// Streams values into the packed layout; [`PackedWriter::finish`] writes the last word and
+/// the slack word, returning the number of bytes written (= `packed_bytes(n, width)`).
+pub struct PackedWriter<W: Write> {
+    out: W,
+    width: u32,
+    mask: u64,
+    acc: u64,
+    used: u32,
+    count: u64,
+    written: u64,
+}
+
+impl<W: Write> PackedWriter<W> {
+    pub fn new(out: W, width: u32) -> Self {
+        assert!((1..=64).contains(&width), "packed width {width} outside 1..=64");
+        PackedWriter {
+            out,
+            width,
+            mask: mask(width),
+            acc: 0,
+            used: 0,
+            count: 0,
+            written: 0,
+        }
+    }
+
+    /// Appends one value; it must fit the width (checked: a silent truncation would corrupt).
+    #[inline]
+    pub fn push(&mut self, value: u64) -> io::Result<()> {
+        if value & !self.mask != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("value {value} does not fit {} bits", self.width),
+            ));
+        }
+        self.acc |= value << self.used;
+        let total = self.used + self.width;
+        if total >= 64 {
+            self.out.write_all(&self.acc.to_le_bytes())?;
+            self.written += 8;
+            let consumed = 64 - self.used;
+            self.acc = if consumed >= 64 { 0 } else { value >> consumed };
+            self.used = total - 64;
+        } else {
+            self.used = total;
+        }
+        self.count += 1;
+        Ok(())
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Flushes the partial word and the slack word; returns (inner writer, bytes written).
+    pub fn finish(mut self) -> io::Result<(W, u64)> {
+        if self.used > 0 {
+            self.out.write_all(&self.acc.to_le_bytes())?;
+            self.written += 8;
+        }
+        self.out.write_all(&[0u8; 8])?;
+        self.written += 8;
+        Ok((self.out, self.written))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn pack(values: &[u64], width: u32) -> Vec<u8> {
+        let mut w = PackedWriter::new(Vec::new(), width);
+        for &v in values {
+            w.push(v).unwrap();
+        }
+        let (bytes, n) = w.finish().unwrap();
+        assert_eq!(n, bytes.len() as u64);
+        assert_eq!(Some(n), packed_bytes(values.len() as u64, width));
+        bytes
+    }
+
+    #[test]
+    fn widths() {
+        assert_eq!(width_for(0), 1);
+        assert_eq!(width_for(1), 1);
+        assert_eq!(width_for(2), 2);
+        assert_eq!(width_for(255), 8);
+        assert_eq!(width_for(256), 9);
+        assert_eq!(width_for(u64::MAX), 64);
+    }
+
+    #[test]
+    fn value_too_wide_is_an_error() {
+        let mut w = PackedWriter::new(Vec::new(), 3);
+        assert!(w.push(8).is_err());
+        assert!(w.push(7).is_ok());
+    }
+
+    #[test]
+    fn short_slice_is_refused() {
+        let bytes = pack(&[1, 2, 3], 5);
+        assert!(Packed::new(&bytes, 3, 5).is_some());
+        assert!(Packed::new(&bytes[..bytes.len() - 1], 3, 5).is_none());
+        assert!(Packed::new(&bytes, 3, 0).is_none());
+        assert!(Packed::new(&bytes, 3, 65).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(width in 1u32..=64, raw in prop::collection::vec(any::<u64>(), 0..200)) {
+            let values: Vec<u64> = raw.iter().map(|v| v & mask(width)).collect();
+            let bytes = pack(&values, width);
+            let p = Packed::new(&bytes, values.len() as u64, width).unwrap();
+            for (i, &v) in values.iter().enumerate() {
+                prop_assert_eq!(p.get(i as u64), v);
+            }
+        }
+
+        #[test]
+        fn search_matches_std(width in 1u32..=20, raw in prop::collection::vec(any::<u64>(), 0..100), target in any::<u64>(), cut in 0usize..100) {
+            let mut values: Vec<u64> = raw.iter().map(|v| v & mask(width)).collect();
+            values.sort_unstable();
+            let target = target & mask(width);
+            let bytes = pack(&values, width);
+            let p = Packed::new(&bytes, values.len() as u64, width).unwrap();
+            let lo = cut.min(values.len());
+            let expect = lo + values[lo..].partition_point(|&v| v < target);
+            prop_assert_eq!(p.lower_bound(lo as u64, values.len() as u64, target), expect as u64);
+            prop_assert_eq!(p.find(lo as u64, values.len() as u64, target).is_some(), values[lo..].contains(&target));
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! DART draft-tree pruner (being written).
