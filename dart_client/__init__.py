@@ -1,5 +1,15 @@
 """DART: lossless speculative decoding with a parallel draft head and an n-gram-guided tree."""
 
 from dart_client._native import __version__
+from dart_client.dart_model import DartModel
+from dart_client.generate import GenerationResult, ar_generate, dart_generate
+from dart_client.templates import TEMPLATE_REGISTRY
 
-__all__ = ["__version__"]
+__all__ = [
+    "TEMPLATE_REGISTRY",
+    "DartModel",
+    "GenerationResult",
+    "__version__",
+    "ar_generate",
+    "dart_generate",
+]

@@ -1,7 +1,156 @@
-//! (being written)
-#[derive(clap::Args)]
-pub struct Args {}
+//! `dart-ngram build`: count a corpus into a model file within a memory budget.
 
-pub fn run(_args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    Err("not implemented yet".into())
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use dart_ngram_build::{build, parse_memory, BuildOptions, BuildReport, EosChoice};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Corpus files or directories (walked recursively): JSON lines with a text field or an
+    /// `ids` field, plain text (one document per file), optionally `.gz`.
+    #[arg(long, short, num_args = 1.., required = true)]
+    pub input: Vec<PathBuf>,
+    /// The model file to write (atomically: nothing appears under this name on failure).
+    #[arg(long, short)]
+    pub output: PathBuf,
+    /// Hugging Face `tokenizer.json` (or its directory); needed for text input.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Highest n-gram order counted.
+    #[arg(long, default_value_t = 3)]
+    pub order: usize,
+    /// Memory budget for the counts (e.g. 2G, 512M); beyond it, sorted runs spill to disk.
+    #[arg(long, default_value = "2G")]
+    pub memory: String,
+    /// Tokenizer threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Drop n-grams of order >= 2 seen fewer times than this (unigrams are kept).
+    #[arg(long, default_value_t = 1)]
+    pub min_count: u64,
+    /// JSON field holding a document's text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// End-of-document token id appended to every document.
+    #[arg(long, conflicts_with_all = ["eos_token", "no_eos"])]
+    pub eos_id: Option<u32>,
+    /// End-of-document token, looked up in the tokenizer.
+    #[arg(long, conflicts_with = "no_eos")]
+    pub eos_token: Option<String>,
+    /// Append no end-of-document token.
+    #[arg(long)]
+    pub no_eos: bool,
+    /// Vocabulary size (default: the tokenizer's highest id + 1); required for `ids` input
+    /// without a tokenizer.
+    #[arg(long)]
+    pub vocab_size: Option<u32>,
+    /// Directory for spilled runs (default: beside the output).
+    #[arg(long)]
+    pub tmp_dir: Option<PathBuf>,
+    /// Skip and count malformed lines instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Print the final report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+static INTERRUPT: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if let Some(flag) = INTERRUPT.get() {
+        flag.store(true, Ordering::SeqCst);
+    }
+    // A second Ctrl-C kills at once. signal() is async-signal-safe.
+    unsafe {
+        libc::signal(sig, libc::SIG_DFL);
+    }
+}
+
+/// Turns SIGINT/SIGTERM into a cancellation flag, so an interrupted job removes its
+/// temporary files and leaves no output behind.
+pub(crate) fn interrupt_flag() -> Arc<AtomicBool> {
+    let flag = INTERRUPT
+        .get_or_init(|| Arc::new(AtomicBool::new(false)))
+        .clone();
+    let handler: extern "C" fn(libc::c_int) = on_signal;
+    // SAFETY: the handler only stores to an atomic and resets its own disposition.
+    unsafe {
+        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, handler as libc::sighandler_t);
+    }
+    flag
+}
+
+pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let mut o = BuildOptions::new(args.input, args.output);
+    o.tokenizer = args.tokenizer;
+    o.order = args.order;
+    o.memory = parse_memory(&args.memory)?;
+    o.threads = args.threads;
+    o.min_count = args.min_count;
+    o.text_field = args.text_field;
+    o.eos = match (args.eos_id, args.eos_token, args.no_eos) {
+        (_, _, true) => EosChoice::NoEos,
+        (Some(id), _, _) => EosChoice::Id(id),
+        (None, Some(t), _) => EosChoice::Token(t),
+        (None, None, false) => EosChoice::Auto,
+    };
+    o.vocab_size = args.vocab_size;
+    o.tmp_dir = args.tmp_dir;
+    o.skip_bad_lines = args.skip_bad_lines;
+    o.progress = !args.quiet;
+    o.cancel = Some(interrupt_flag());
+    let report = build(&o)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_summary(&report);
+    }
+    Ok(())
+}
+
+fn print_summary(r: &BuildReport) {
+    println!("built            {}", r.output.display());
+    println!("input files      {}", r.input_files);
+    println!("documents        {}", r.documents);
+    println!("tokens           {}", r.tokens);
+    if r.skipped_lines > 0 {
+        println!(
+            "skipped lines    {} (first: {})",
+            r.skipped_lines,
+            r.first_skipped.as_deref().unwrap_or("?")
+        );
+    }
+    println!("order            {}", r.order);
+    println!("vocabulary       {}", r.vocab_size);
+    match r.eos_id {
+        Some(e) => println!("eos id           {e}"),
+        None => println!("eos id           none"),
+    }
+    println!("tokenizer        {}", r.tokenizer_fingerprint);
+    for (i, n) in r.ngrams_per_order.iter().enumerate() {
+        println!("{}-grams{:9} {n}", i + 1, "");
+    }
+    if r.min_count > 1 {
+        println!("min count        {}", r.min_count);
+    }
+    println!(
+        "memory           budget {} MiB, count table {} MiB, {} spilled runs",
+        r.memory_budget >> 20,
+        r.table_bytes >> 20,
+        r.spilled_runs
+    );
+    println!("threads          {}", r.threads);
+    println!(
+        "time             {:.2} s ({:.2} s counting, {:.2} s writing)",
+        r.seconds, r.count_seconds, r.write_seconds
+    );
+    println!("speed            {:.0} tokens/s", r.tokens_per_second);
+    println!("output bytes     {}", r.output_bytes);
 }

@@ -1,7 +1,49 @@
-//! (being written)
-#[derive(clap::Args)]
-pub struct Args {}
+//! `dart-ngram merge A.ngram B.ngram ... --output C.ngram [--min-count N] [--allow-pruned]`.
 
-pub fn run(_args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    Err("not implemented yet".into())
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use dart_ngram::{merge_models, MergeOptions, WriteOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Models built from disjoint shards of one corpus with the same tokenizer.
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+    /// Where to write the merged model (written atomically).
+    #[arg(long, short)]
+    pub output: PathBuf,
+    /// Drop n-grams of order >= 2 whose summed count is below N.
+    #[arg(long, default_value_t = 1)]
+    pub min_count: u64,
+    /// Accept inputs that were themselves pruned (the sum then differs from the model of the
+    /// concatenated corpus).
+    #[arg(long)]
+    pub allow_pruned: bool,
+    /// Length of the precomputed top-continuation lists.
+    #[arg(long, default_value_t = 32)]
+    pub top_list_len: u32,
+}
+
+pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let start = Instant::now();
+    let inputs: Vec<&Path> = args.inputs.iter().map(|p| p.as_path()).collect();
+    let opts = MergeOptions {
+        allow_pruned: args.allow_pruned,
+        min_count: args.min_count,
+        write: WriteOptions {
+            top_list_len: args.top_list_len,
+        },
+        source: None,
+    };
+    let report = merge_models(&inputs, &args.output, &opts)?;
+    eprintln!(
+        "merged {} models into {}: n-grams per order {:?}, {} bytes, {:.1} s",
+        inputs.len(),
+        args.output.display(),
+        report.ngrams_per_order,
+        report.bytes,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
 }

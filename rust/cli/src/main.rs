@@ -12,9 +12,14 @@ mod cmd_import;
 mod cmd_info;
 mod cmd_merge;
 mod cmd_query;
+mod cmd_serve;
 
 #[derive(Parser)]
-#[command(name = "dart-ngram", version, about = "Build, inspect, query and serve DART n-gram models")]
+#[command(
+    name = "dart-ngram",
+    version,
+    about = "Build, inspect, query and serve DART n-gram models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -32,6 +37,8 @@ enum Command {
     Info(cmd_info::Args),
     /// Probabilities of candidates after a context, or the top continuations.
     Query(cmd_query::Args),
+    /// Serve a model (queries and the draft-tree pruner) over gRPC to every worker on a host.
+    Serve(cmd_serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -42,6 +49,7 @@ fn main() -> ExitCode {
         Command::ImportDart(args) => cmd_import::run(args),
         Command::Info(args) => cmd_info::run(args),
         Command::Query(args) => cmd_query::run(args),
+        Command::Serve(args) => cmd_serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -60,6 +60,19 @@ impl<'a> Packed<'a> {
         })
     }
 
+    /// A view over a section whose size [`Packed::new`] already accepted (at open). Skipping
+    /// the size check is still memory-safe: a bad size would panic on a slice bound, never read
+    /// out of bounds.
+    #[inline]
+    pub(crate) fn trusted(bytes: &'a [u8], len: u64, width: u32) -> Self {
+        Packed {
+            bytes,
+            len,
+            width,
+            mask: mask(width),
+        }
+    }
+
     #[inline]
     pub fn len(&self) -> u64 {
         self.len
@@ -96,21 +109,26 @@ impl<'a> Packed<'a> {
     }
 
     /// Index of the first value in `lo..hi` that is `>= target`, assuming that range is sorted
-    /// ascending (`hi` if none). Branch-light binary search; short ranges are scanned.
+    /// ascending (`hi` if none). Branchless: the loop count depends only on the range length
+    /// and each step is a conditional move, so searches for several candidates overlap in the
+    /// CPU instead of stalling on mispredicted branches.
     #[inline]
-    pub fn lower_bound(&self, mut lo: u64, hi: u64, target: u64) -> u64 {
+    pub fn lower_bound(&self, lo: u64, hi: u64, target: u64) -> u64 {
+        if hi <= lo {
+            return lo;
+        }
+        let mut base = lo;
         let mut n = hi - lo;
-        while n > 8 {
+        while n > 1 {
             let half = n / 2;
-            // Conditional move rather than a branch: the outcome is unpredictable.
-            lo = if self.get(lo + half - 1) < target { lo + half } else { lo };
+            base = if self.get(base + half) < target {
+                base + half
+            } else {
+                base
+            };
             n -= half;
         }
-        while n > 0 && self.get(lo) < target {
-            lo += 1;
-            n -= 1;
-        }
-        lo
+        base + u64::from(self.get(base) < target)
     }
 
     /// Index of `target` in the sorted range `lo..hi`, if present.
@@ -142,7 +160,10 @@ pub struct PackedWriter<W: Write> {
 
 impl<W: Write> PackedWriter<W> {
     pub fn new(out: W, width: u32) -> Self {
-        assert!((1..=64).contains(&width), "packed width {width} outside 1..=64");
+        assert!(
+            (1..=64).contains(&width),
+            "packed width {width} outside 1..=64"
+        );
         PackedWriter {
             out,
             width,

@@ -16,7 +16,9 @@ pub enum NGramError {
     #[error("{path}: not a DART n-gram model ({detail})")]
     NotAModel { path: PathBuf, detail: String },
     /// A model written by an incompatible version of the format.
-    #[error("{path}: format version {found} is not supported (this build reads version {supported})")]
+    #[error(
+        "{path}: format version {found} is not supported (this build reads version {supported})"
+    )]
     UnsupportedVersion {
         path: PathBuf,
         found: u32,
@@ -45,6 +47,9 @@ pub enum NGramError {
     Tokenizer { path: PathBuf, detail: String },
     #[error("{0}")]
     InvalidArgument(String),
+    /// A long job (build, import) stopped on request (Ctrl-C, KeyboardInterrupt).
+    #[error("interrupted: {detail}")]
+    Interrupted { detail: String },
 }
 
 impl NGramError {

@@ -7,10 +7,23 @@
 //! prefix's count), writes to a temporary file beside the output, syncs it and renames it into
 //! place, so an interrupted or failed write never leaves a half-written file under the final
 //! name.
+//!
+//! Memory stays bounded whatever the model size: each order is spooled to an anonymous
+//! temporary file beside the output (16 bytes per n-gram) and re-read sequentially to pack the
+//! columns; only the per-order table of distinct counts and one context's children are held in
+//! RAM.
 
-use std::path::Path;
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 
-use crate::error::Result;
+use rustc_hash::{FxHashMap, FxHashSet};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::bits::{width_for, PackedWriter};
+use crate::error::{NGramError, Result};
+use crate::format::{Header, OrderRecord, Section, SectionKind, MAX_SOURCE, NO_EOS};
+use crate::key;
 
 /// What a model says about itself in its header.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +72,8 @@ pub struct WriteReport {
     pub bytes: u64,
 }
 
+const BUF: usize = 1 << 20;
+
 /// Writes a model to `path` atomically (temporary file + fsync + rename).
 ///
 /// `unigrams` has `meta.vocab_size` entries; `higher[i]` holds the n-grams of order `i + 2`.
@@ -69,6 +84,811 @@ pub fn write_model(
     higher: Vec<CountStream<'_>>,
     opts: &WriteOptions,
 ) -> Result<WriteReport> {
-    let _ = (path, meta, unigrams, higher, opts);
-    todo!("format writer: being written")
+    let bad = |detail: String| {
+        NGramError::InvalidArgument(format!("writing {}: {detail}", path.display()))
+    };
+    key::check_order_fits(meta.order, meta.vocab_size).map_err(|e| bad(e.to_string()))?;
+    if higher.len() + 1 != meta.order {
+        return Err(bad(format!(
+            "order {} needs {} streams of orders 2..={}, got {}",
+            meta.order,
+            meta.order - 1,
+            meta.order,
+            higher.len()
+        )));
+    }
+    if unigrams.len() != meta.vocab_size as usize {
+        return Err(bad(format!(
+            "{} unigram counts, expected one per token of the {}-token vocabulary",
+            unigrams.len(),
+            meta.vocab_size
+        )));
+    }
+    if let Some(eos) = meta.eos_id {
+        if eos >= meta.vocab_size || eos == NO_EOS {
+            return Err(bad(format!(
+                "eos id {eos} outside the vocabulary of {}",
+                meta.vocab_size
+            )));
+        }
+    }
+    if meta.min_count == 0 {
+        return Err(bad("min_count 0; use 1 for 'nothing dropped'".into()));
+    }
+    if opts.top_list_len == 0 {
+        return Err(bad("top_list_len 0; it must be at least 1".into()));
+    }
+    let mut sum = 0u64;
+    for &c in unigrams {
+        sum = sum
+            .checked_add(c)
+            .ok_or_else(|| bad("the unigram counts overflow 64 bits".into()))?;
+    }
+    if sum > meta.total_tokens {
+        return Err(bad(format!(
+            "unigram counts sum to {sum}, more than the {} total tokens",
+            meta.total_tokens
+        )));
+    }
+
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let io = |e: io::Error| NGramError::io(path, e);
+    let mut spool = Spool {
+        path,
+        dir: &dir,
+        bits: key::token_bits(meta.vocab_size),
+        vocab_size: meta.vocab_size,
+        min_count: meta.min_count,
+        top_list_len: opts.top_list_len as usize,
+        levels: Vec::new(),
+        unigrams,
+    };
+    for (i, stream) in higher.into_iter().enumerate() {
+        spool.add_order(i + 2, stream)?;
+    }
+
+    // Per-order records and the section layout.
+    let n_max = meta.order;
+    let mut orders = Vec::with_capacity(n_max);
+    let max_uni = unigrams.iter().copied().max().unwrap_or(0);
+    for n in 1..=n_max {
+        let ngrams = if n == 1 {
+            unigrams.iter().filter(|&&c| c > 0).count() as u64
+        } else {
+            spool.levels[n - 2].entries
+        };
+        let (count_values, count_width) = if n == 1 {
+            (0, width_for(max_uni))
+        } else {
+            let t = spool.levels[n - 2].table.len() as u64;
+            (t, width_for(t.saturating_sub(1)))
+        };
+        let (child_width, top_contexts, top_rel_width) = if n < n_max {
+            let child = &spool.levels[n - 1];
+            let tw = if child.top_contexts > 0 {
+                width_for(child.max_listed_children - 1)
+            } else {
+                0
+            };
+            (width_for(child.entries), child.top_contexts, tw)
+        } else {
+            (0, 0, 0)
+        };
+        orders.push(OrderRecord {
+            ngrams,
+            count_values,
+            top_contexts,
+            count_width,
+            child_width,
+            top_rel_width,
+        });
+    }
+    let mut source = meta.source.clone();
+    if source.len() > MAX_SOURCE {
+        let mut cut = MAX_SOURCE;
+        while !source.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        source.truncate(cut);
+    }
+    let mut header = Header {
+        header_len: 0,
+        order: n_max as u32,
+        vocab_size: meta.vocab_size,
+        token_bits: key::token_bits(meta.vocab_size),
+        eos: meta.eos_id.unwrap_or(NO_EOS),
+        fingerprint: meta.tokenizer_fingerprint,
+        min_count: meta.min_count,
+        total_tokens: meta.total_tokens,
+        documents: meta.documents,
+        top_list_len: opts.top_list_len,
+        orders,
+        sections: Vec::new(),
+        source,
+    };
+    let layout = header
+        .expected_sections()
+        .ok_or_else(|| bad("section sizes overflow 64 bits".into()))?;
+    header.header_len = Header::byte_len(n_max, layout.len(), header.source.len()) as u32;
+
+    let tmp = tempfile::Builder::new()
+        .prefix(".dart-ngram-")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(|e| NGramError::io(&dir, e))?;
+    let mut file = tmp.as_file().try_clone().map_err(io)?;
+    file.seek(SeekFrom::Start(u64::from(header.header_len)))
+        .map_err(io)?;
+    let mut out = BufWriter::with_capacity(BUF, file);
+    let mut offset = u64::from(header.header_len);
+    for &(kind, order, len) in &layout {
+        let mut hw = HashWrite::new(&mut out);
+        spool.write_section(&mut hw, kind, order as usize, &header)?;
+        let (checksum, written) = (hw.hash.digest(), hw.written);
+        if written != len {
+            return Err(NGramError::Corrupt {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "internal: section {} of order {order} came out {written} bytes, expected {len}",
+                    kind.name()
+                ),
+            });
+        }
+        header.sections.push(Section {
+            kind,
+            order,
+            offset,
+            length: len,
+            checksum,
+        });
+        offset += len;
+    }
+    let mut file = out.into_inner().map_err(|e| io(e.into_error()))?;
+    file.seek(SeekFrom::Start(0)).map_err(io)?;
+    file.write_all(&header.to_bytes()).map_err(io)?;
+    // Temporary files are created 0600; a model is meant to be shared (daemon, other users).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(io)?;
+    }
+    file.sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    // Make the rename itself durable.
+    if let Ok(d) = File::open(&dir) {
+        let _ = d.sync_all();
+    }
+    Ok(WriteReport {
+        ngrams_per_order: header.orders.iter().map(|r| r.ngrams).collect(),
+        bytes: offset,
+    })
+}
+
+/// One spooled order n >= 2, plus what its parents (order n-1) learned from it.
+struct Level {
+    entries: u64,
+    /// `(key, count)` pairs, 16 bytes each.
+    raw: File,
+    /// Distinct counts, ascending.
+    table: Vec<u64>,
+    /// CSR offsets of the parents (order n-1) into this order, `parents + 1` u64 values.
+    parent_offsets: File,
+    /// Parent ids with a top list (u64 each) and their lists (`top_list_len` u64 each).
+    top_contexts: u64,
+    top_ids: File,
+    top_lists: File,
+    max_listed_children: u64,
+}
+
+struct Spool<'p> {
+    path: &'p Path,
+    dir: &'p Path,
+    bits: u32,
+    vocab_size: u32,
+    min_count: u64,
+    top_list_len: usize,
+    levels: Vec<Level>,
+    unigrams: &'p [u64],
+}
+
+/// Sequential reader of the parent order's `(key, count)` pairs.
+enum Parents<'a> {
+    Dense { counts: &'a [u64], next: u64 },
+    Spooled { r: BufReader<File>, left: u64 },
+}
+
+impl Parents<'_> {
+    fn next(&mut self) -> io::Result<Option<(u64, u64)>> {
+        match self {
+            Parents::Dense { counts, next } => {
+                let i = *next as usize;
+                if i >= counts.len() {
+                    return Ok(None);
+                }
+                *next += 1;
+                Ok(Some((i as u64, counts[i])))
+            }
+            Parents::Spooled { r, left } => {
+                if *left == 0 {
+                    return Ok(None);
+                }
+                *left -= 1;
+                Ok(Some(read_pair(r)?))
+            }
+        }
+    }
+}
+
+fn read_pair(r: &mut impl Read) -> io::Result<(u64, u64)> {
+    let mut b = [0u8; 16];
+    r.read_exact(&mut b)?;
+    Ok((
+        u64::from_le_bytes(b[..8].try_into().expect("8")),
+        u64::from_le_bytes(b[8..].try_into().expect("8")),
+    ))
+}
+
+fn read_u64(r: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn rewind(f: &File) -> io::Result<BufReader<File>> {
+    let mut f = f.try_clone()?;
+    f.seek(SeekFrom::Start(0))?;
+    Ok(BufReader::with_capacity(BUF, f))
+}
+
+impl Spool<'_> {
+    fn scratch(&self) -> Result<BufWriter<File>> {
+        let f = tempfile::tempfile_in(self.dir).map_err(|e| NGramError::io(self.dir, e))?;
+        Ok(BufWriter::with_capacity(BUF, f))
+    }
+
+    fn io(&self, e: io::Error) -> NGramError {
+        NGramError::io(self.path, e)
+    }
+
+    fn bad(&self, n: usize, detail: String) -> NGramError {
+        NGramError::InvalidArgument(format!(
+            "writing {}: order-{n} stream: {detail}",
+            self.path.display()
+        ))
+    }
+
+    fn add_order(&mut self, n: usize, stream: CountStream<'_>) -> Result<()> {
+        let bits = self.bits;
+        let tok_mask = (1u64 << bits) - 1;
+        let key_bits = n as u32 * bits;
+        let mut parents = if n == 2 {
+            Parents::Dense {
+                counts: self.unigrams,
+                next: 0,
+            }
+        } else {
+            let prev = &self.levels[n - 3];
+            Parents::Spooled {
+                r: rewind(&prev.raw).map_err(|e| self.io(e))?,
+                left: prev.entries,
+            }
+        };
+        let mut raw = self.scratch()?;
+        let mut offs = self.scratch()?;
+        let mut top_ids = self.scratch()?;
+        let mut top_lists = self.scratch()?;
+        let mut table: FxHashSet<u64> = FxHashSet::default();
+        let mut entries = 0u64;
+        let mut top_contexts = 0u64;
+        let mut max_listed = 0u64;
+        // The parent whose children are being read: (index, key, count).
+        let mut cur: Option<(u64, u64, u64)> = None;
+        let mut parent_index = 0u64;
+        // Children of the current parent: (count, relative index).
+        let mut kids: Vec<(u64, u64)> = Vec::new();
+        let mut prev_key: Option<u64> = None;
+        let w = |f: &mut BufWriter<File>, v: u64| f.write_all(&v.to_le_bytes());
+        w(&mut offs, 0).map_err(|e| self.io(e))?;
+
+        // Closes the current parent: its end offset, and its top list if it has many children.
+        let close = |kids: &mut Vec<(u64, u64)>,
+                     ctx: u64,
+                     entries: u64,
+                     offs: &mut BufWriter<File>,
+                     top_ids: &mut BufWriter<File>,
+                     top_lists: &mut BufWriter<File>,
+                     top_contexts: &mut u64,
+                     max_listed: &mut u64|
+         -> io::Result<()> {
+            offs.write_all(&entries.to_le_bytes())?;
+            if kids.len() > self.top_list_len {
+                let l = self.top_list_len;
+                let better = |a: &(u64, u64), b: &(u64, u64)| b.0.cmp(&a.0).then(a.1.cmp(&b.1));
+                kids.select_nth_unstable_by(l - 1, better);
+                kids[..l].sort_unstable_by(better);
+                top_ids.write_all(&ctx.to_le_bytes())?;
+                for &(_, rel) in &kids[..l] {
+                    top_lists.write_all(&rel.to_le_bytes())?;
+                }
+                *top_contexts += 1;
+                *max_listed = (*max_listed).max(kids.len() as u64);
+            }
+            kids.clear();
+            Ok(())
+        };
+
+        for item in stream {
+            let (k, count) = item?;
+            if let Some(p) = prev_key {
+                if k <= p {
+                    return Err(self.bad(
+                        n,
+                        format!(
+                            "keys must be strictly ascending, but {:?} follows {:?}",
+                            key::unpack(k, n, bits),
+                            key::unpack(p, n, bits)
+                        ),
+                    ));
+                }
+            }
+            prev_key = Some(k);
+            if key_bits < 64 && k >> key_bits != 0 {
+                return Err(self.bad(
+                    n,
+                    format!("key {k:#x} has more than {n} tokens of {bits} bits"),
+                ));
+            }
+            let last = k & tok_mask;
+            if last >= u64::from(self.vocab_size) {
+                return Err(self.bad(
+                    n,
+                    format!(
+                        "n-gram {:?} has token {last}, outside the vocabulary of {}",
+                        key::unpack(k, n, bits),
+                        self.vocab_size
+                    ),
+                ));
+            }
+            if count == 0 || count < self.min_count {
+                return Err(self.bad(
+                    n,
+                    format!(
+                        "n-gram {:?} has count {count}, below min_count {} (and 0 is never stored)",
+                        key::unpack(k, n, bits),
+                        self.min_count.max(1)
+                    ),
+                ));
+            }
+            let pk = k >> bits;
+            // Advance the parent cursor to the prefix of this n-gram.
+            loop {
+                match cur {
+                    Some((_, ck, _)) if ck == pk => break,
+                    Some((ci, ck, _)) if ck < pk => {
+                        close(
+                            &mut kids,
+                            ci,
+                            entries,
+                            &mut offs,
+                            &mut top_ids,
+                            &mut top_lists,
+                            &mut top_contexts,
+                            &mut max_listed,
+                        )
+                        .map_err(|e| self.io(e))?;
+                        cur = None;
+                    }
+                    Some(_) => {
+                        return Err(self.bad(
+                            n,
+                            format!(
+                                "n-gram {:?} has no prefix in order {} (input not prefix-closed)",
+                                key::unpack(k, n, bits),
+                                n - 1
+                            ),
+                        ))
+                    }
+                    None => match parents.next().map_err(|e| self.io(e))? {
+                        Some((pkey, pcount)) => {
+                            cur = Some((parent_index, pkey, pcount));
+                            parent_index += 1;
+                        }
+                        None => {
+                            return Err(self.bad(
+                                n,
+                                format!(
+                                "n-gram {:?} has no prefix in order {} (input not prefix-closed)",
+                                key::unpack(k, n, bits),
+                                n - 1
+                            ),
+                            ))
+                        }
+                    },
+                }
+            }
+            let (_, _, pcount) = cur.expect("parent located");
+            if pcount == 0 {
+                return Err(self.bad(
+                    n,
+                    format!(
+                        "n-gram {:?} has no prefix in order {} (its count is 0: input not prefix-closed)",
+                        key::unpack(k, n, bits),
+                        n - 1
+                    ),
+                ));
+            }
+            if count > pcount {
+                return Err(self.bad(
+                    n,
+                    format!(
+                        "n-gram {:?} has count {count}, above its prefix's count {pcount}",
+                        key::unpack(k, n, bits)
+                    ),
+                ));
+            }
+            kids.push((count, kids.len() as u64));
+            table.insert(count);
+            w(&mut raw, k).map_err(|e| self.io(e))?;
+            w(&mut raw, count).map_err(|e| self.io(e))?;
+            entries += 1;
+        }
+        // Close the current parent and every parent after it.
+        if let Some((ci, _, _)) = cur {
+            close(
+                &mut kids,
+                ci,
+                entries,
+                &mut offs,
+                &mut top_ids,
+                &mut top_lists,
+                &mut top_contexts,
+                &mut max_listed,
+            )
+            .map_err(|e| self.io(e))?;
+        }
+        while parents.next().map_err(|e| self.io(e))?.is_some() {
+            w(&mut offs, entries).map_err(|e| self.io(e))?;
+        }
+        let mut table: Vec<u64> = table.into_iter().collect();
+        table.sort_unstable();
+        let done = |b: BufWriter<File>| b.into_inner().map_err(|e| e.into_error());
+        let level = Level {
+            entries,
+            raw: done(raw).map_err(|e| self.io(e))?,
+            table,
+            parent_offsets: done(offs).map_err(|e| self.io(e))?,
+            top_contexts,
+            top_ids: done(top_ids).map_err(|e| self.io(e))?,
+            top_lists: done(top_lists).map_err(|e| self.io(e))?,
+            max_listed_children: max_listed,
+        };
+        self.levels.push(level);
+        Ok(())
+    }
+
+    fn write_section<W: Write>(
+        &self,
+        out: &mut W,
+        kind: SectionKind,
+        n: usize,
+        header: &Header,
+    ) -> Result<()> {
+        let io = |e: io::Error| self.io(e);
+        let rec = &header.orders[n - 1];
+        match kind {
+            SectionKind::UnigramCounts => {
+                let mut p = PackedWriter::new(out, rec.count_width);
+                for &c in self.unigrams {
+                    p.push(c).map_err(io)?;
+                }
+                p.finish().map_err(io)?;
+            }
+            SectionKind::Tokens | SectionKind::CountRanks => {
+                let level = &self.levels[n - 2];
+                let mut r = rewind(&level.raw).map_err(io)?;
+                let tok_mask = (1u64 << self.bits) - 1;
+                if kind == SectionKind::Tokens {
+                    let mut p = PackedWriter::new(out, self.bits);
+                    for _ in 0..level.entries {
+                        let (k, _) = read_pair(&mut r).map_err(io)?;
+                        p.push(k & tok_mask).map_err(io)?;
+                    }
+                    p.finish().map_err(io)?;
+                } else {
+                    let rank: FxHashMap<u64, u64> = level
+                        .table
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &c)| (c, i as u64))
+                        .collect();
+                    let mut p = PackedWriter::new(out, rec.count_width);
+                    for _ in 0..level.entries {
+                        let (_, c) = read_pair(&mut r).map_err(io)?;
+                        p.push(rank[&c]).map_err(io)?;
+                    }
+                    p.finish().map_err(io)?;
+                }
+            }
+            SectionKind::CountValues => {
+                for &c in &self.levels[n - 2].table {
+                    out.write_all(&c.to_le_bytes()).map_err(io)?;
+                }
+            }
+            SectionKind::ChildOffsets => {
+                let child = &self.levels[n - 1];
+                let mut r = rewind(&child.parent_offsets).map_err(io)?;
+                let mut p = PackedWriter::new(out, rec.child_width);
+                for _ in 0..=header.entries(n) {
+                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                }
+                p.finish().map_err(io)?;
+            }
+            SectionKind::TopContexts => {
+                let child = &self.levels[n - 1];
+                let mut r = rewind(&child.top_ids).map_err(io)?;
+                let width = width_for(header.entries(n).saturating_sub(1));
+                let mut p = PackedWriter::new(out, width);
+                for _ in 0..child.top_contexts {
+                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                }
+                p.finish().map_err(io)?;
+            }
+            SectionKind::TopLists => {
+                let child = &self.levels[n - 1];
+                let mut r = rewind(&child.top_lists).map_err(io)?;
+                let mut p = PackedWriter::new(out, rec.top_rel_width);
+                for _ in 0..child.top_contexts * u64::from(header.top_list_len) {
+                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                }
+                p.finish().map_err(io)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts and hashes what passes through, for the section table.
+struct HashWrite<'w, W: Write> {
+    inner: &'w mut W,
+    hash: Xxh3,
+    written: u64,
+}
+
+impl<'w, W: Write> HashWrite<'w, W> {
+    fn new(inner: &'w mut W) -> Self {
+        HashWrite {
+            inner,
+            hash: Xxh3::new(),
+            written: 0,
+        }
+    }
+}
+
+impl<W: Write> Write for HashWrite<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::NGramModel;
+    use crate::testutil::count_corpus;
+
+    fn meta(order: usize, vocab: u32) -> ModelMeta {
+        ModelMeta {
+            order,
+            vocab_size: vocab,
+            tokenizer_fingerprint: [0; 32],
+            eos_id: None,
+            min_count: 1,
+            total_tokens: 100,
+            documents: 1,
+            source: "t".into(),
+        }
+    }
+
+    fn stream(v: Vec<(u64, u64)>) -> CountStream<'static> {
+        Box::new(v.into_iter().map(Ok))
+    }
+
+    fn leftovers(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// Each bad stream is refused with a message naming the file and the n-gram, the
+    /// existing model under the final name is untouched and no temporary file is left.
+    #[test]
+    fn bad_streams_are_refused_without_clobbering() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.ngram");
+        let c = count_corpus(&[vec![1, 2, 3, 1, 2]], 3, 5, None, 1);
+        c.write(&path, 32).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(
+                mode & 0o777,
+                0o644,
+                "a model is readable by the daemon's user"
+            );
+        }
+        let bits = key::token_bits(5);
+        let k = |t: &[u32]| key::pack(t, bits);
+        let mut uni = vec![10u64; 5];
+        uni[0] = 0;
+        type Case = (&'static str, Vec<(u64, u64)>, Vec<(u64, u64)>);
+        let cases: Vec<Case> = vec![
+            (
+                "strictly ascending",
+                vec![(k(&[1, 2]), 2), (k(&[1, 1]), 1)],
+                vec![],
+            ),
+            (
+                "strictly ascending",
+                vec![(k(&[1, 2]), 2), (k(&[1, 2]), 1)],
+                vec![],
+            ),
+            ("not prefix-closed", vec![(k(&[0, 2]), 1)], vec![]),
+            (
+                "not prefix-closed",
+                vec![(k(&[1, 2]), 2)],
+                vec![(k(&[1, 3, 1]), 1)],
+            ),
+            (
+                "not prefix-closed",
+                vec![(k(&[1, 2]), 2)],
+                vec![(k(&[4, 4, 1]), 1)],
+            ),
+            ("above its prefix", vec![(k(&[1, 2]), 11)], vec![]),
+            (
+                "above its prefix",
+                vec![(k(&[1, 2]), 2)],
+                vec![(k(&[1, 2, 3]), 3)],
+            ),
+            ("outside the vocabulary", vec![(k(&[1, 6]), 1)], vec![]),
+            ("below min_count", vec![(k(&[1, 2]), 0)], vec![]),
+            (
+                "more than 3 tokens",
+                vec![(k(&[1, 2]), 1)],
+                vec![(1 << 20, 1)],
+            ),
+        ];
+        for (want, s2, s3) in cases {
+            let err = write_model(
+                &path,
+                &meta(3, 5),
+                &uni,
+                vec![stream(s2), stream(s3)],
+                &WriteOptions::default(),
+            )
+            .unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains(want) && msg.contains("out.ngram"),
+                "{want}: {msg}"
+            );
+            assert_eq!(std::fs::read(&path).unwrap(), good);
+            assert_eq!(leftovers(dir.path()), vec!["out.ngram".to_string()]);
+        }
+        // A producer's own error comes through unchanged, and nothing is written.
+        let failing: CountStream<'static> = Box::new(
+            vec![
+                Ok((k(&[1, 2]), 2)),
+                Err(NGramError::InvalidArgument("disk on fire".into())),
+            ]
+            .into_iter(),
+        );
+        let err = write_model(
+            &path,
+            &meta(3, 5),
+            &uni,
+            vec![failing, stream(vec![])],
+            &WriteOptions::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("disk on fire"));
+        assert_eq!(std::fs::read(&path).unwrap(), good);
+        assert_eq!(leftovers(dir.path()), vec!["out.ngram".to_string()]);
+        NGramModel::open(&path).unwrap().verify().unwrap();
+    }
+
+    #[test]
+    fn bad_arguments_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.ngram");
+        let w = |m: ModelMeta, uni: Vec<u64>, n: usize, top: u32| {
+            let streams = (0..n).map(|_| stream(vec![])).collect();
+            write_model(
+                &path,
+                &m,
+                &uni,
+                streams,
+                &WriteOptions { top_list_len: top },
+            )
+        };
+        assert!(w(meta(3, 5), vec![1; 4], 2, 32)
+            .unwrap_err()
+            .to_string()
+            .contains("unigram counts"));
+        assert!(w(meta(3, 5), vec![1; 5], 1, 32)
+            .unwrap_err()
+            .to_string()
+            .contains("streams"));
+        assert!(w(meta(0, 5), vec![1; 5], 0, 32).is_err());
+        assert!(w(meta(5, 151_936), vec![0; 151_936], 4, 32)
+            .unwrap_err()
+            .to_string()
+            .contains("64"));
+        assert!(w(
+            ModelMeta {
+                eos_id: Some(5),
+                ..meta(3, 5)
+            },
+            vec![1; 5],
+            2,
+            32
+        )
+        .is_err());
+        assert!(w(
+            ModelMeta {
+                min_count: 0,
+                ..meta(3, 5)
+            },
+            vec![1; 5],
+            2,
+            32
+        )
+        .is_err());
+        assert!(w(meta(3, 5), vec![1; 5], 2, 0).is_err());
+        assert!(w(
+            ModelMeta {
+                total_tokens: 4,
+                ..meta(3, 5)
+            },
+            vec![1; 5],
+            2,
+            32
+        )
+        .unwrap_err()
+        .to_string()
+        .contains("total"));
+        assert!(!path.exists());
+        // Order 1 and an empty higher order are fine.
+        w(meta(1, 5), vec![1; 5], 0, 32).unwrap();
+        assert_eq!(NGramModel::open(&path).unwrap().count(&[3]).unwrap(), 1);
+        w(meta(2, 5), vec![0; 5], 1, 32).unwrap();
+        let m = NGramModel::open(&path).unwrap();
+        m.verify().unwrap();
+        assert_eq!(m.prob(&[1], 2).unwrap(), (0.0, 0));
+        assert!(m.top_k(&[1], 3).unwrap().is_empty());
+    }
+
+    #[test]
+    fn writing_into_a_missing_directory_is_an_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no/such/dir/m.ngram");
+        let c = count_corpus(&[vec![1, 2]], 2, 4, None, 1);
+        let err = c.write(&path, 32).unwrap_err();
+        assert!(
+            matches!(err, NGramError::Io { .. }) && err.to_string().contains("no/such/dir"),
+            "{err}"
+        );
+    }
 }

@@ -1,1 +1,370 @@
-fn main() {}
+//! Criterion benchmarks of the pruner on the workload it is built for: k = 25 candidates per
+//! level, 8 levels, beam 20, 60 nodes, with n-gram lookups in a real mmap'd `.ngram` model.
+//!
+//! The model is `DART_BENCH_MODEL` when that points to a file (e.g. the ShareGPT model),
+//! otherwise one written here from a synthetic corpus (2M tokens, 49152-token vocabulary,
+//! Zipfian unigrams with Markov structure so trigram contexts branch like text). Requests are
+//! draft-like: each row holds the corpus' true next token near the top, the model's own best
+//! continuations and Zipfian filler, with decaying softmax probabilities.
+//!
+//! Benches: `single/*` (one request, one thread; `no_ngram` leaves lookups out),
+//! `lookups/replay` (exactly the n-gram lookups of one `single/ngram` request, replayed, so
+//! their share of the time is `replay / single`), `batch/*` (`prune_batch` of 1, 8, 32, 64
+//! requests vs a sequential loop).
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use dart_ngram::{key, write_model, CountStream, ModelMeta, NGramModel, WriteOptions};
+use dart_pruner::{DraftRequest, NGramScorer, Pruner, PrunerConfig, PrunerError};
+
+const VOCAB: u32 = 49152;
+const LEVELS: usize = 8;
+const K: usize = 25;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+struct Zipf(Vec<f64>);
+impl Zipf {
+    fn new(n: u32, s: f64) -> Zipf {
+        let mut acc = 0.0;
+        Zipf(
+            (1..=n)
+                .map(|r| {
+                    acc += (r as f64).powf(-s);
+                    acc
+                })
+                .collect(),
+        )
+    }
+    fn sample(&self, rng: &mut Rng) -> u32 {
+        let u = rng.unit() * self.0.last().unwrap();
+        self.0.partition_point(|&c| c < u).min(self.0.len() - 1) as u32
+    }
+}
+
+/// Documents of Zipfian tokens where, half of the time, the next token is one of a few
+/// preferred successors of the previous one (so contexts have skewed continuations).
+fn synthetic_corpus(tokens: usize, rng: &mut Rng) -> Vec<Vec<u32>> {
+    let zipf = Zipf::new(VOCAB - 1, 1.1);
+    let succ = Zipf::new(8, 1.5);
+    let mut docs = vec![];
+    let mut total = 0;
+    while total < tokens {
+        let len = 50 + (rng.next() % 450) as usize;
+        let mut doc = Vec::with_capacity(len);
+        let mut prev = zipf.sample(rng);
+        for _ in 0..len {
+            let t = if rng.unit() < 0.5 {
+                let r = u64::from(succ.sample(rng));
+                ((u64::from(prev) * 2_654_435_761 + r * 40_503) % u64::from(VOCAB - 1)) as u32
+            } else {
+                zipf.sample(rng)
+            };
+            doc.push(t);
+            prev = t;
+        }
+        total += len + 1;
+        docs.push(doc);
+    }
+    docs
+}
+
+fn write_synthetic_model(docs: &[Vec<u32>], path: &std::path::Path) {
+    let eos = VOCAB - 1;
+    let bits = key::token_bits(VOCAB);
+    let mut unigrams = vec![0u64; VOCAB as usize];
+    let mut maps: Vec<HashMap<u64, u64>> = vec![HashMap::new(), HashMap::new()];
+    for doc in docs {
+        let mut d = doc.clone();
+        d.push(eos);
+        for &t in &d {
+            unigrams[t as usize] += 1;
+        }
+        for n in 2..=3 {
+            for g in d.windows(n) {
+                *maps[n - 2].entry(key::pack(g, bits)).or_insert(0) += 1;
+            }
+        }
+    }
+    let streams: Vec<CountStream<'static>> = maps
+        .into_iter()
+        .map(|m| {
+            let mut v: Vec<(u64, u64)> = m.into_iter().collect();
+            v.sort_unstable();
+            Box::new(v.into_iter().map(Ok)) as CountStream<'static>
+        })
+        .collect();
+    let meta = ModelMeta {
+        order: 3,
+        vocab_size: VOCAB,
+        tokenizer_fingerprint: [0; 32],
+        eos_id: Some(eos),
+        min_count: 1,
+        total_tokens: unigrams.iter().sum(),
+        documents: docs.len() as u64,
+        source: "dart-pruner bench (synthetic)".into(),
+    };
+    write_model(path, &meta, &unigrams, streams, &WriteOptions::default()).unwrap();
+}
+
+/// One draft-like request: (context, ids, probs).
+type Owned = (Vec<u32>, Vec<u32>, Vec<f32>);
+
+fn draft_requests(model: &NGramModel, docs: &[Vec<u32>], n: usize, rng: &mut Rng) -> Vec<Owned> {
+    let vocab = model.vocab_size();
+    let zipf = Zipf::new(vocab, 1.1);
+    let mut out = vec![];
+    while out.len() < n {
+        let doc = &docs[(rng.next() % docs.len() as u64) as usize];
+        if doc.len() < 16 + LEVELS + 1 {
+            continue;
+        }
+        let pos = 15 + (rng.next() % (doc.len() - 16 - LEVELS) as u64) as usize;
+        let context = doc[pos - 15..=pos].to_vec();
+        let mut ids = Vec::with_capacity(LEVELS * K);
+        let mut probs = Vec::with_capacity(LEVELS * K);
+        for l in 0..LEVELS {
+            let truth = doc[pos + 1 + l] % vocab;
+            let mut row: Vec<u32> = vec![];
+            let push = |t: u32, row: &mut Vec<u32>| {
+                if row.len() < K && !row.contains(&t) {
+                    row.push(t);
+                }
+            };
+            // The draft is right at the top a decaying share of the time.
+            if rng.unit() < 0.8 / (l as f64 + 1.0).sqrt() {
+                push(truth, &mut row);
+            }
+            let mut ctx = context.clone();
+            ctx.extend(&doc[pos + 1..pos + 1 + l]);
+            for (t, _) in model.top_k(&ctx, 10).unwrap() {
+                push(t, &mut row);
+            }
+            push(truth, &mut row);
+            while row.len() < K {
+                push(zipf.sample(rng), &mut row);
+            }
+            // Softmax over decaying logits with noise.
+            let logits: Vec<f64> = (0..K).map(|j| -0.35 * j as f64 + rng.unit()).collect();
+            let z: f64 = logits.iter().map(|x| x.exp()).sum();
+            ids.extend(row);
+            probs.extend(logits.iter().map(|x| (x.exp() / z) as f32));
+        }
+        out.push((context, ids, probs));
+    }
+    out
+}
+
+fn request(o: &Owned) -> DraftRequest<'_> {
+    DraftRequest {
+        context: &o.0,
+        topk_ids: &o.1,
+        topk_probs: &o.2,
+        levels: LEVELS,
+        k: K,
+        budget: None,
+    }
+}
+
+/// Records every lookup one prune makes, for the replay bench.
+struct Recorder<'a> {
+    model: &'a NGramModel,
+    calls: Mutex<Vec<(Vec<u32>, Vec<u32>)>>,
+}
+impl NGramScorer for Recorder<'_> {
+    fn order(&self) -> usize {
+        self.model.order()
+    }
+    fn vocab_size(&self) -> u32 {
+        self.model.vocab_size()
+    }
+    fn eos_id(&self) -> Option<u32> {
+        self.model.eos_id()
+    }
+    fn prob_many(&self, c: &[u32], cands: &[u32], p: &mut [f32]) -> Result<(), PrunerError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((c.to_vec(), cands.to_vec()));
+        NGramScorer::prob_many(self.model, c, cands, p)
+    }
+}
+
+struct Setup {
+    model: Arc<NGramModel>,
+    requests: Vec<Owned>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn setup() -> Setup {
+    let mut rng = Rng(0x5eed);
+    let (path, dir, docs) = match std::env::var_os("DART_BENCH_MODEL").map(PathBuf::from) {
+        Some(p) if p.is_file() => {
+            // Requests from random walks over the real model's own best continuations.
+            (p, None, None)
+        }
+        _ => {
+            let dir = tempfile::tempdir().unwrap();
+            let docs = synthetic_corpus(2_000_000, &mut rng);
+            let path = dir.path().join("synthetic.ngram");
+            write_synthetic_model(&docs, &path);
+            (path, Some(dir), Some(docs))
+        }
+    };
+    let model = Arc::new(NGramModel::open(&path).unwrap());
+    let docs = docs.unwrap_or_else(|| walk_documents(&model, &mut rng));
+    let requests = draft_requests(&model, &docs, 256, &mut rng);
+    eprintln!("bench model: {} ({} bytes)", path.display(), model.bytes());
+    Setup {
+        model,
+        requests,
+        _dir: dir,
+    }
+}
+
+/// Text-like token sequences sampled from a real model (for `DART_BENCH_MODEL`).
+fn walk_documents(model: &NGramModel, rng: &mut Rng) -> Vec<Vec<u32>> {
+    let vocab = u64::from(model.vocab_size());
+    let mut docs = vec![];
+    while docs.len() < 300 {
+        let mut doc = vec![(rng.next() % vocab) as u32];
+        while doc.len() < 60 {
+            let mut next = model.top_k(&doc, 8).unwrap();
+            if next.is_empty() {
+                // An unseen pair (or token): continue from the last token alone.
+                next = model.top_k(&doc[doc.len() - 1..], 8).unwrap();
+            }
+            match next.len() {
+                0 => break,
+                n => doc.push(next[(rng.next() % n as u64) as usize].0),
+            }
+        }
+        if doc.len() == 60 {
+            docs.push(doc);
+        }
+    }
+    docs
+}
+
+fn benches(c: &mut Criterion) {
+    let s = setup();
+    let pruner = Pruner::new(s.model.clone(), PrunerConfig::default()).unwrap();
+    let no_ngram = Pruner::new(
+        s.model.clone(),
+        PrunerConfig {
+            ngram_weight: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let reqs: Vec<DraftRequest<'_>> = s.requests.iter().map(request).collect();
+    let sizes: Vec<usize> = reqs
+        .iter()
+        .map(|r| pruner.prune(r).unwrap().len() - 1)
+        .collect();
+    assert!(
+        sizes.iter().all(|&n| n == 60),
+        "every tree should fill the budget"
+    );
+
+    // Per-request latency percentiles (criterion reports means; the goal is about p50). The
+    // minimum shows the cost without interference from other processes on the machine.
+    for (name, p) in [("ngram", &pruner), ("no_ngram", &no_ngram)] {
+        let mut t: Vec<f64> = (0..4000)
+            .map(|i| {
+                let start = std::time::Instant::now();
+                black_box(p.prune(&reqs[i % reqs.len()]).unwrap());
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        let q = |f: f64| t[((t.len() - 1) as f64 * f) as usize];
+        eprintln!(
+            "single/{name}: p50 {:.1} us, p90 {:.1} us, min {:.1} us",
+            q(0.5),
+            q(0.9),
+            t[0]
+        );
+    }
+
+    let mut g = c.benchmark_group("single");
+    let mut i = 0;
+    g.bench_function("ngram", |b| {
+        b.iter(|| {
+            i = (i + 1) % reqs.len();
+            black_box(pruner.prune(&reqs[i]).unwrap())
+        })
+    });
+    g.bench_function("no_ngram", |b| {
+        b.iter(|| {
+            i = (i + 1) % reqs.len();
+            black_box(no_ngram.prune(&reqs[i]).unwrap())
+        })
+    });
+    g.finish();
+
+    // The lookups of all 256 requests, replayed one request at a time.
+    let recorded: Vec<Vec<(Vec<u32>, Vec<u32>)>> = reqs
+        .iter()
+        .map(|r| {
+            let rec = Recorder {
+                model: &s.model,
+                calls: Mutex::new(vec![]),
+            };
+            Pruner::new(&rec, PrunerConfig::default())
+                .unwrap()
+                .prune(r)
+                .unwrap();
+            rec.calls.into_inner().unwrap()
+        })
+        .collect();
+    eprintln!(
+        "lookups per request: {} prob_many calls of {K} candidates",
+        recorded[0].len()
+    );
+    let mut probs = vec![0f32; K];
+    let mut g = c.benchmark_group("lookups");
+    g.bench_function("replay", |b| {
+        b.iter(|| {
+            i = (i + 1) % recorded.len();
+            for (ctx, cands) in &recorded[i] {
+                NGramScorer::prob_many(&*s.model, ctx, cands, &mut probs).unwrap();
+            }
+            black_box(&probs);
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("batch");
+    for n in [1usize, 8, 32, 64] {
+        g.throughput(Throughput::Elements(n as u64));
+        let batch = &reqs[..n];
+        g.bench_with_input(BenchmarkId::new("prune_batch", n), &n, |b, _| {
+            b.iter(|| black_box(pruner.prune_batch(batch)))
+        });
+        g.bench_with_input(BenchmarkId::new("sequential", n), &n, |b, _| {
+            b.iter(|| black_box(batch.iter().map(|r| pruner.prune(r)).collect::<Vec<_>>()))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(pruner_benches, benches);
+criterion_main!(pruner_benches);

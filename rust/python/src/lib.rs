@@ -4,8 +4,17 @@
 
 use pyo3::prelude::*;
 
+pub mod build;
+pub mod errors;
+pub mod ngram;
+pub mod pruner;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    ngram::register(m)?;
+    build::register(m)?;
+    pruner::register(m)?;
     Ok(())
 }

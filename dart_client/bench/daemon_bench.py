@@ -1,0 +1,259 @@
+"""The n-gram daemon against the in-process pruner, side by side in one run.
+
+    python -m dart_client.bench.daemon_bench --model MODEL.ngram [--requests 2000]
+        [--seconds 3] [--clients 1 4 16] [--threads 2]
+
+Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the same draft
+requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
+
+* latency: round-trip time of one prune request, one client, p50 and p99 (remote), and the
+  same call in process;
+* throughput: prunes per second with 1, 4 and 16 concurrent clients, each client its own
+  process (as GPU workers are), remote and in process.
+
+Drafts look like the head's: each level's top-k ids are the model's own best continuations of
+a context drawn from the model (so the n-gram lookups hit), topped up with random ids, with
+softmaxed random logits as probabilities. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def find_binary() -> str:
+    import shutil
+
+    found = shutil.which("dart-ngram")
+    if found:
+        return found
+    target = Path(
+        os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parents[2] / "target")
+    )
+    path = target / "release" / "dart-ngram"
+    if path.is_file():
+        return str(path)
+    raise SystemExit(
+        "dart-ngram not found on PATH nor under $CARGO_TARGET_DIR/release: run `make native`"
+    )
+
+
+@dataclass
+class Draft:
+    context: np.ndarray
+    topk_ids: np.ndarray
+    topk_probs: np.ndarray
+
+
+def make_drafts(model_path: str, n: int, levels: int, k: int, seed: int) -> list[Draft]:
+    """Draft-like requests whose ids are mostly continuations the model has seen."""
+    from dart_client.ngram import NGram
+
+    ng = NGram.open(model_path)
+    rng = np.random.default_rng(seed)
+    vocab = ng.vocab_size
+    drafts = []
+    for _ in range(n):
+        # A context walked through the model: start anywhere, follow likely continuations.
+        ctx = [int(rng.integers(vocab))]
+        for _ in range(7):
+            ids, probs = ng.top_k(ctx, 8)
+            if len(ids) == 0:
+                ctx.append(int(rng.integers(vocab)))
+            else:
+                p = probs / probs.sum()
+                ctx.append(int(rng.choice(ids, p=p)))
+        rows = np.empty((levels, k), dtype=np.int64)
+        walk = list(ctx)
+        for level in range(levels):
+            ids, _ = ng.top_k(walk, k)
+            row = list(dict.fromkeys(int(t) for t in ids))[: k - 5]
+            while len(row) < k:
+                t = int(rng.integers(vocab))
+                if t not in row:
+                    row.append(t)
+            rows[level] = row
+            walk.append(row[0])
+        logits = rng.normal(size=(levels, k)) * 2.0
+        logits[:, 0] += 2.0
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        drafts.append(Draft(np.asarray(ctx, dtype=np.int64), rows, probs.astype(np.float32)))
+    return drafts
+
+
+def make_pruner(kind: str, model_path: str, url: str) -> Any:
+    from dart_client.pruner import PrunerConfig
+
+    if kind == "remote":
+        from dart_client.ngram import connect
+
+        return connect(url, timeout=30).pruner(PrunerConfig())
+    from dart_client.ngram import NGram
+    from dart_client.pruner import Pruner
+
+    return Pruner(NGram.open(model_path), PrunerConfig())
+
+
+def latency(pruner: Any, drafts: list[Draft], warmup: int = 200) -> tuple[float, float, int]:
+    """(p50 us, p99 us, nodes of the last tree) of sequential prunes."""
+    for d in drafts[:warmup]:
+        pruner.prune(d.context, d.topk_ids, d.topk_probs)
+    times = []
+    tree = None
+    for d in drafts:
+        t0 = time.perf_counter_ns()
+        tree = pruner.prune(d.context, d.topk_ids, d.topk_probs)
+        times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    p50 = statistics.median(times) / 1e3
+    p99 = times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3
+    return p50, p99, len(tree) if tree is not None else 0
+
+
+def _client(
+    kind: str,
+    model_path: str,
+    url: str,
+    drafts: list[Draft],
+    seconds: float,
+    barrier: Any,
+    out: Any,
+) -> None:
+    pruner = make_pruner(kind, model_path, url)
+    for d in drafts[:50]:
+        pruner.prune(d.context, d.topk_ids, d.topk_probs)
+    barrier.wait()
+    done = 0
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    i = 0
+    while time.perf_counter() < deadline:
+        d = drafts[i % len(drafts)]
+        pruner.prune(d.context, d.topk_ids, d.topk_probs)
+        done += 1
+        i += 1
+    out.put((done, time.perf_counter() - t0))
+
+
+def throughput(
+    kind: str, model_path: str, url: str, drafts: list[Draft], clients: int, seconds: float
+) -> float:
+    """Prunes per second summed over ``clients`` processes running for ``seconds``."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(clients)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_client,
+            args=(kind, model_path, url, drafts[i::clients] or drafts, seconds, barrier, out),
+        )
+        for i in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=seconds + 300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return sum(done / elapsed for done, elapsed in results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the .ngram model to serve")
+    ap.add_argument("--requests", type=int, default=2000, help="latency samples")
+    ap.add_argument("--seconds", type=float, default=3.0, help="duration of a throughput run")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--threads", type=int, default=None, help="daemon --threads")
+    ap.add_argument("--levels", type=int, default=8)
+    ap.add_argument("--k", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    binary = find_binary()
+    cmd = [
+        binary,
+        "serve",
+        "--model",
+        args.model,
+        "--listen",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        import json
+
+        addr = None
+        assert daemon.stderr is not None
+        deadline = time.monotonic() + 60
+        while addr is None and time.monotonic() < deadline:
+            line = daemon.stderr.readline()
+            if not line:
+                raise SystemExit(f"dart-ngram serve exited with status {daemon.wait()}")
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("message") == "listening":
+                addr = rec["addr"]
+        if addr is None:
+            raise SystemExit("dart-ngram serve did not start within 60 s")
+        url = f"grpc://{addr}"
+        drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
+
+        rows = []
+        lat = {
+            kind: latency(make_pruner(kind, args.model, url), drafts)
+            for kind in ("remote", "in-process")
+        }
+        tput = {
+            (kind, c): throughput(kind, args.model, url, drafts, c, args.seconds)
+            for c in args.clients
+            for kind in ("remote", "in-process")
+        }
+        for kind in ("remote", "in-process"):
+            p50, p99, _nodes = lat[kind]
+            rows.append(
+                [kind, f"{p50:.1f}", f"{p99:.1f}"]
+                + [f"{tput[(kind, c)]:,.0f}" for c in args.clients]
+            )
+        print(
+            f"\nPrune requests: k = {args.k}, {args.levels} levels, beam 20, 60 nodes "
+            f"(trees of {lat['remote'][2]} nodes); model {args.model}; "
+            f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
+            f"daemon --threads {args.threads or 'default'}; clients are processes.\n"
+        )
+        header = ["backend", "p50 (us)", "p99 (us)"] + [
+            f"{c} client{'s' if c > 1 else ''} (prunes/s)" for c in args.clients
+        ]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(" --- " for _ in header) + "|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""Generation: ``dart_generate`` (speculative, lossless) and ``ar_generate`` (the baseline).
+
+One DART step, as one token's trip reads top to bottom:
+
+1. draft   -- one head forward over the newly accepted real positions + the mask slots
+              (:mod:`dart_client.draft`), top-k per row;
+2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
+              sampled), its size shrunk near ``max_length`` / ``max_new_token_num``;
+3. verify  -- one target forward over every node (:mod:`dart_client.verify`);
+4. accept  -- greedy or recursive rejection (:mod:`dart_client.accept`); the accepted nodes'
+              K/V are compacted in place and their taps feed the next draft.
+
+``ar_generate`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
+and seed handling, so the two are comparable for speed and for losslessness.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from dart_client.accept import Acceptance, accept_greedy, accept_sampling
+from dart_client.draft import DraftRows, draft_rows
+from dart_client.errors import (
+    ContextTooLongError,
+    EmptyPromptError,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
+from dart_client.sampling import SamplingParams, make_generator, sample, target_probs
+from dart_client.verify import Tree, verify_tree
+
+if TYPE_CHECKING:
+    from dart_client.dart_model import DartModel
+
+STAGES = ("prefill", "draft", "prune", "verify", "accept", "compact")
+
+#: Tokens of context handed to the pruner: it only reads the last order-1 of them.
+PRUNER_CONTEXT = 8
+
+
+class TreeBuilder(Protocol):
+    """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC)."""
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree: ...
+
+
+class PrunerTreeBuilder:
+    """A :class:`TreeBuilder` over any object with the pruner's ``prune`` method."""
+
+    def __init__(self, pruner: Any) -> None:
+        self.pruner = pruner
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        tree = self.pruner.prune(context, rows.ids, rows.probs, budget=budget)
+        return Tree.from_draft_tree(tree)
+
+
+@dataclass
+class GenerationResult:
+    """What a generation produced, and how fast.
+
+    ``tokens`` are the new tokens only (the EOS token included when generation stopped on
+    it, the token completing a stop string included), never more than ``max_new_token_num``;
+    ``text`` is their decoding without special tokens, cut before a stop string.
+    ``accept_lengths`` counts the tokens each step produced (accepted drafts + the bonus,
+    the prefill's first token being step 0's 1); ``tau`` is their mean over the
+    speculative steps, as papers report it. ``timings`` (seconds) per stage: ``prefill`` (the
+    target's and the head's passes over the prompt), then summed over the steps ``draft``,
+    ``prune``, ``verify``, ``accept`` and ``compact``.
+    """
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    accept_lengths: list[int]
+    timings: dict[str, float]
+    elapsed: float
+    finish_reason: str  # "eos" | "stop" | "length"
+    mode: str  # "dart" | "ar"
+    tree_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Target forwards after the prefill."""
+        return max(0, len(self.accept_lengths) - 1)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward after the prefill (incl. the bonus token)."""
+        spec = self.accept_lengths[1:]
+        return sum(spec) / len(spec) if spec else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.elapsed if self.elapsed > 0 else 0.0
+
+
+@dataclass
+class StreamEvent:
+    """One step of a streamed generation: new text, new tokens and that step's statistics."""
+
+    text: str
+    tokens: list[int]
+    accept_length: int
+    tree_size: int
+    timings: dict[str, float]
+
+
+class GenerationStream:
+    """Iterator of :class:`StreamEvent`; ``.result`` holds the full result once exhausted."""
+
+    def __init__(self, events: Iterator[StreamEvent | GenerationResult]) -> None:
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        for event in self._events:
+            if isinstance(event, GenerationResult):
+                self.result = event
+            else:
+                yield event
+
+
+def dart_generate(
+    model: DartModel,
+    prompt: str | None = None,
+    *,
+    messages: Sequence[dict[str, str]] | None = None,
+    input_ids: Any = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_token_num: int = 512,
+    max_length: int = 2048,
+    stop: str | Sequence[str] | None = None,
+    tree_budget: int | None = None,
+    stream: bool = False,
+    seed: int | None = None,
+) -> GenerationResult | GenerationStream:
+    """Speculative generation with the DART head, the pruner and tree verification.
+
+    Exactly one of ``prompt`` (text), ``messages`` (chat, formatted with the model's
+    template) or ``input_ids`` is given. ``temperature == 0`` is greedy (token for token the
+    target's own greedy output); otherwise sampling with ``top_p``/``top_k`` is lossless.
+    ``max_length`` bounds prompt + new tokens (the KV caches never exceed it);
+    ``tree_budget`` overrides the pruner's node budget. ``stream=True`` returns a
+    :class:`GenerationStream` of text deltas and per-step statistics.
+    """
+    if model.head is None or model.tree_builder is None:
+        raise InvalidArgumentError(
+            "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
+        )
+    return _generate(
+        model,
+        "dart",
+        prompt,
+        messages,
+        input_ids,
+        temperature,
+        top_p,
+        top_k,
+        max_new_token_num,
+        max_length,
+        stop,
+        tree_budget,
+        stream,
+        seed,
+    )
+
+
+def ar_generate(
+    model: DartModel,
+    prompt: str | None = None,
+    *,
+    messages: Sequence[dict[str, str]] | None = None,
+    input_ids: Any = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_token_num: int = 512,
+    max_length: int = 2048,
+    stop: str | Sequence[str] | None = None,
+    tree_budget: int | None = None,
+    stream: bool = False,
+    seed: int | None = None,
+) -> GenerationResult | GenerationStream:
+    """Plain autoregressive decoding on the same target path (``tree_budget`` is ignored)."""
+    return _generate(
+        model,
+        "ar",
+        prompt,
+        messages,
+        input_ids,
+        temperature,
+        top_p,
+        top_k,
+        max_new_token_num,
+        max_length,
+        stop,
+        tree_budget,
+        stream,
+        seed,
+    )
+
+
+def _generate(
+    model: DartModel,
+    mode: str,
+    prompt: str | None,
+    messages: Sequence[dict[str, str]] | None,
+    input_ids: Any,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_token_num: int,
+    max_length: int,
+    stop: str | Sequence[str] | None,
+    tree_budget: int | None,
+    stream: bool,
+    seed: int | None,
+) -> GenerationResult | GenerationStream:
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    _check_int("max_new_token_num", max_new_token_num, minimum=1)
+    _check_int("max_length", max_length, minimum=2)
+    if tree_budget is not None:
+        _check_int("tree_budget", tree_budget, minimum=0)
+    stops = _normalise_stop(stop)
+    if stops and model.tokenizer is None:
+        raise InvalidArgumentError("stop strings need a tokenizer to decode the output")
+    ids = model.encode_input(prompt=prompt, messages=messages, input_ids=input_ids)
+    if not ids:
+        raise EmptyPromptError("the prompt is empty: at least one token is needed")
+    # The target's position limit caps max_length (positions past it are out of distribution).
+    limit = model.target.max_positions
+    bound = "max_length"
+    if limit is not None and max_length > limit:
+        max_length, bound = limit, "the target's max_position_embeddings"
+    if len(ids) >= max_length:
+        raise ContextTooLongError(
+            f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
+            f"new token (raise max_length above {len(ids)} or shorten the prompt)"
+        )
+    run = _Run(model, mode, ids, params, max_new_token_num, max_length, stops, tree_budget, seed)
+    if stream:
+        return GenerationStream(run.events())
+    result = None
+    for event in run.events():
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+class _Run:
+    """The state of one generation; ``events()`` drives it step by step."""
+
+    def __init__(
+        self,
+        model: DartModel,
+        mode: str,
+        ids: list[int],
+        params: SamplingParams,
+        max_new: int,
+        max_length: int,
+        stops: list[str],
+        tree_budget: int | None,
+        seed: int | None,
+    ) -> None:
+        self.model = model
+        self.target = model.target
+        self.mode = mode
+        self.prompt = ids
+        self.params = params
+        self.max_new = max_new
+        self.max_length = max_length
+        self.stops = stops
+        self.tree_budget = tree_budget
+        self.device = self.target.device
+        self.generator = make_generator(seed, self.device)
+        self.timings = dict.fromkeys(STAGES, 0.0)
+        self.generated: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.tree_sizes: list[int] = []
+        self.finish: str | None = None
+        self.sync = self.device.type == "cuda"
+        self.emitted_text = ""
+
+    def _clock(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits, self.params), self.generator)
+
+    def events(self) -> Iterator[StreamEvent | GenerationResult]:
+        start = self._clock()
+        target = self.target
+        head = self.model.head if self.mode == "dart" else None
+        prompt_len = len(self.prompt)
+        cache = target.new_cache(self.max_length)
+        ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
+        positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
+        logits, taps = target.forward(
+            ids, positions, cache, logits_to_keep=1, taps=head is not None
+        )
+        first = self._pick(logits[0, -1])
+        t = self._clock()
+        self.timings["prefill"] += t - start
+        yield from self._emit([first], 1, 0, {"prefill": t - start})
+
+        rows: DraftRows | None = None
+        head_cache = None
+        if head is not None and self.finish is None:
+            assert taps is not None
+            head_cache = head.new_cache(self.max_length + head.config.draft_length)
+            next_ids = torch.tensor(
+                [[*self.prompt[1:], first]], dtype=torch.long, device=self.device
+            )
+            rows = draft_rows(head, head_cache, taps, next_ids, self.model.draft_top_k)
+            # The head's pass over the whole prompt is prefill work, not a per-step draft.
+            self.timings["prefill"] += self._clock() - t
+
+        while self.finish is None:
+            step: dict[str, float] = {}
+            room = min(
+                self.max_length - prompt_len - len(self.generated),
+                self.max_new - len(self.generated),
+            )
+            cache_len = cache.length
+            root = self.generated[-1]
+            t0 = self._clock()
+            budget = room - 1  # leaves room for the bonus token
+            if self.tree_budget is not None:
+                budget = min(budget, self.tree_budget)
+            if head is not None and rows is not None and budget > 0:
+                assert self.model.tree_builder is not None
+                context = np.asarray(
+                    (self.prompt + self.generated)[-PRUNER_CONTEXT:], dtype=np.int64
+                )
+                tree = self.model.tree_builder.build(context, rows, budget)
+            else:
+                tree = Tree.root_only(root)
+            t1 = self._clock()
+            step["prune"] = t1 - t0
+            logits, taps = (
+                verify_tree(target, cache, tree)
+                if head is not None
+                else self._ar_forward(cache, root)
+            )
+            t2 = self._clock()
+            step["verify"] = t2 - t1
+            acc: Acceptance = (
+                accept_greedy(tree, logits)
+                if self.params.greedy
+                else accept_sampling(tree, logits, self.params, self.generator)
+            )
+            t3 = self._clock()
+            step["accept"] = t3 - t2
+            cache.keep(cache_len, acc.nodes, self.device)
+            t4 = self._clock()
+            step["compact"] = t4 - t3
+            new = acc.new_tokens
+            yield from self._emit(new, len(new), len(tree), step)
+            if self.finish is None and head is not None:
+                assert head_cache is not None and taps is not None
+                index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
+                next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+                rows = draft_rows(
+                    head, head_cache, taps.index_select(1, index), next_ids, self.model.draft_top_k
+                )
+                self.timings["draft"] += self._clock() - t4
+            for stage, seconds in step.items():
+                self.timings[stage] += seconds
+
+        elapsed = self._clock() - start
+        yield GenerationResult(
+            text=self._text(),
+            tokens=list(self.generated),
+            prompt_tokens=prompt_len,
+            accept_lengths=list(self.accept_lengths),
+            timings=dict(self.timings),
+            elapsed=elapsed,
+            finish_reason=self.finish or "length",
+            mode=self.mode,
+            tree_sizes=list(self.tree_sizes),
+        )
+
+    def _ar_forward(self, cache: Any, token: int) -> tuple[torch.Tensor, None]:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[cache.length]], dtype=torch.long, device=self.device)
+        logits, _ = self.target.forward(ids, positions, cache, logits_to_keep=1, taps=False)
+        return logits[0], None
+
+    def _emit(
+        self, new: list[int], accept_length: int, tree_size: int, step: dict[str, float]
+    ) -> Iterator[StreamEvent]:
+        """Append a step's tokens, apply the length / EOS / stop limits, stream the text delta."""
+        self.accept_lengths.append(accept_length)
+        self.tree_sizes.append(tree_size)
+        before = len(self.generated)
+        limit = min(self.max_new, self.max_length - len(self.prompt))
+        new = new[: limit - before]
+        eos = self.target.eos_token_ids
+        hit = next((i for i, tok in enumerate(new) if tok in eos), None)
+        if hit is not None:
+            new = new[: hit + 1]
+            self.finish = "eos"
+        elif before + len(new) >= limit:
+            self.finish = "length"
+        self.generated.extend(new)
+        if self.stops:
+            cut = self._stop_cut(before)
+            if cut is not None:
+                self.generated = self.generated[:cut]
+                self.finish = "stop"
+        delta = ""
+        if self.model.tokenizer is not None:
+            text = self._text()
+            if self.finish is None:
+                text = _hold_back(text, self.stops)
+            # A decoding that rewrote already-streamed text (rare byte merges) is not re-sent.
+            if text.startswith(self.emitted_text):
+                delta = text[len(self.emitted_text) :]
+                self.emitted_text = text
+        yield StreamEvent(
+            text=delta,
+            tokens=self.generated[before:],
+            accept_length=accept_length,
+            tree_size=tree_size,
+            timings=step,
+        )
+
+    def _stop_cut(self, before: int) -> int | None:
+        """Smallest token count (> before) whose decoding contains a stop string, if any."""
+        tok = self.model.tokenizer
+        full = tok.decode(self.generated, skip_special_tokens=True)
+        if not any(s in full for s in self.stops):
+            return None
+        for n in range(max(1, before), len(self.generated) + 1):
+            text = tok.decode(self.generated[:n], skip_special_tokens=True)
+            if any(s in text for s in self.stops):
+                return n
+        return len(self.generated)
+
+    def _text(self) -> str:
+        tok = self.model.tokenizer
+        if tok is None:
+            return ""
+        text = tok.decode(self.generated, skip_special_tokens=True)
+        if self.stops:
+            cuts = [text.find(s) for s in self.stops if s in text]
+            if cuts:
+                text = text[: min(cuts)]
+        return text
+
+
+def _hold_back(text: str, stops: list[str]) -> str:
+    """Withhold a trailing partial character and any suffix that may begin a stop string."""
+    text = text.rstrip("\ufffd")
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                text = text[:-n]
+                break
+    return text
+
+
+def _normalise_stop(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise InvalidTypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(not s for s in stop):
+        raise InvalidArgumentError("stop strings must be non-empty")
+    return list(stop)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")

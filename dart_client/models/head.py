@@ -1,0 +1,622 @@
+"""The DART draft head: one Llama-style layer that predicts ``m + 1`` future tokens at once.
+
+Layout (DESIGN.md section 6, the published ``fvliang/qwen*-dart`` checkpoints):
+
+* ``fc`` (3H_target -> H, no bias) projects the three tapped target hidden states;
+* a real position t feeds ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(fc(h_t)))``
+  (2H, embedding first) with residual ``fc(h_t)``; each of the ``m = draft_length`` MASK
+  slots feeds the learned ``mask_rep`` (2H) with residual ``mask_rep[:H]``;
+* ``midlayer``: attention whose q/k/v take 2H (GQA, the target's head_dim, RoPE, no q/k
+  norm, causal over cache + real + masks), then the post-attention norm and a gated MLP on
+  the last ``m + 1`` rows only;
+* ``norm`` (applied twice when ``double_final_norm``, as the reference does at inference),
+  ``lm_head`` to the reduced draft vocabulary; ``target_id = draft_id + d2t[draft_id]``.
+
+The token embedding is the target's own (frozen, never stored in the checkpoint). The head's
+KV cache keeps real positions only: the mask slots' keys are dropped after every forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from dart_client.errors import CheckpointError, IncompatibleHeadError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+#: Keys the published checkpoints carry (``embed_tokens.weight`` may also appear: ignored,
+#: the target's embedding is used).
+CHECKPOINT_KEYS = (
+    "fc.weight",
+    "midlayer.mask_rep",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
+IGNORED_KEYS = ("embed_tokens.weight",)
+
+
+@dataclass
+class DartHeadConfig:
+    """The head's ``config.json`` (field names as the published checkpoints use them)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    draft_length: int = 7
+    head_dim: int | None = None
+    target_hidden_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 40960
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    double_final_norm: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        checks = {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "draft_length": self.draft_length,
+            "head_dim": self.head_dim,
+        }
+        for name, value in checks.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(f"head config: {name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"head config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise CheckpointError(
+                f"head config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
+                f"({self.vocab_size})"
+            )
+        if self.hidden_act not in ACT2FN:
+            raise CheckpointError(f"head config: unknown hidden_act {self.hidden_act!r}")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of draft logits per forward: the last real position plus the mask slots."""
+        return self.draft_length + 1
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> DartHeadConfig:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names}
+        # transformers >= 5 writes rope settings as `rope_parameters`.
+        rope = extra.get("rope_parameters")
+        if isinstance(rope, Mapping):
+            known.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default":
+                known.setdefault(
+                    "rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"}
+                )
+        missing = [
+            n
+            for n in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+            if n not in known
+        ]
+        if missing:
+            raise CheckpointError(f"{source}: missing required field(s) {missing}")
+        known.setdefault("num_key_value_heads", known["num_attention_heads"])
+        if "draft_vocab_size" not in known:
+            known["draft_vocab_size"] = known["vocab_size"]
+        try:
+            return cls(**known, extra=extra)
+        except CheckpointError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        except TypeError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        out.setdefault("architectures", ["LlamaForCausalLMDart"])
+        out.setdefault("model_type", "llama")
+        return out
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        *,
+        draft_length: int = 7,
+        draft_vocab_size: int | None = None,
+        double_final_norm: bool = True,
+    ) -> DartHeadConfig:
+        """A head config shaped for ``target_config`` (a transformers decoder config)."""
+        tc = (
+            target_config.get_text_config()
+            if hasattr(target_config, "get_text_config")
+            else target_config
+        )
+        heads = tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
+        if scaling is not None and scaling.get("rope_type", "default") == "default":
+            scaling = None
+        return cls(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=draft_vocab_size or tc.vocab_size,
+            draft_length=draft_length,
+            target_hidden_size=tc.hidden_size,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            hidden_act=getattr(tc, "hidden_act", "silu"),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            double_final_norm=double_final_norm,
+        )
+
+    def rope_config(self) -> LlamaConfig:
+        """A LlamaConfig carrying only what transformers' rotary embedding reads."""
+        kwargs: dict[str, Any] = {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            params.update(self.rope_scaling)
+            params.setdefault("rope_type", params.pop("type", "default"))
+        kwargs["rope_parameters"] = params
+        return LlamaConfig(**kwargs)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class HeadAttention(nn.Module):
+    def __init__(self, config: DartHeadConfig) -> None:
+        super().__init__()
+        h2 = 2 * config.hidden_size
+        hd = config.head_dim
+        assert hd is not None
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        self.q_proj = nn.Linear(h2, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h2, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h2, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: HeadCache | None,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos_sin
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class HeadMLP(nn.Module):
+    def __init__(self, config: DartHeadConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HeadLayer(nn.Module):
+    """``midlayer``: the one decoder layer, with the MASK representation it appends."""
+
+    def __init__(self, config: DartHeadConfig) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.draft_length = config.draft_length
+        self.mask_rep = nn.Parameter(torch.randn(2 * config.hidden_size))
+        self.self_attn = HeadAttention(config)
+        self.mlp = HeadMLP(config)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        projected: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: HeadCache | None,
+        mask: torch.Tensor,
+        num_masks: int,
+    ) -> torch.Tensor:
+        b = projected.shape[0]
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(projected)), dim=-1)
+        residual = projected
+        if num_masks:
+            mask_in = self.mask_rep.to(x.dtype).view(1, 1, -1).expand(b, num_masks, -1)
+            x = torch.cat((x, mask_in), dim=1)
+            mask_res = mask_in[..., : self.hidden_size]
+            residual = torch.cat((residual, mask_res), dim=1)
+        h = residual + self.self_attn(x, cos_sin, cache, mask)
+        # Only the last real position and the mask slots produce draft rows.
+        h = h[:, -(num_masks + 1) :]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HeadCache:
+    """The head's KV cache: preallocated, holding real positions only.
+
+    ``append`` writes new keys/values in place and returns views over everything cached so
+    far; ``truncate`` drops the tail (the mask slots after a forward).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        if self._k is None or self._v is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self._k = k.new_empty(shape)
+            self._v = v.new_empty(shape)
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(
+                f"draft head cache overflow: {end} positions for a capacity of {self.capacity}"
+            )
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise RuntimeError(f"cannot truncate a head cache of {self.length} to {length}")
+        self.length = length
+
+
+class DartHead(nn.Module):
+    """The DART draft head. Parameter names match the published checkpoint layout."""
+
+    def __init__(self, config: DartHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        assert config.target_hidden_size is not None
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = HeadLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(config=config.rope_config())
+        self._embed: nn.Module | None = None
+        self._draft_to_target: torch.Tensor | None = None
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def random_init(
+        cls,
+        target_config: Any,
+        *,
+        draft_length: int = 7,
+        draft_vocab_size: int | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        double_final_norm: bool = True,
+        seed: int | None = 0,
+        std: float = 0.02,
+    ) -> DartHead:
+        """A freshly initialised head for ``target_config``.
+
+        ``draft_vocab`` (sorted target ids) selects the reduced draft vocabulary; without it
+        the first ``draft_vocab_size`` target ids are used (all of them by default).
+        """
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.int64).flatten()
+            draft_vocab_size = int(draft_vocab.numel())
+        config = DartHeadConfig.for_target(
+            target_config,
+            draft_length=draft_length,
+            draft_vocab_size=draft_vocab_size,
+            double_final_norm=double_final_norm,
+        )
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        head = cls(config)
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+            if draft_vocab is None:
+                draft_vocab = torch.arange(config.draft_vocab_size, dtype=torch.int64)
+            head.set_draft_vocab(draft_vocab)
+        return head
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Define the draft vocabulary as ``target_ids`` (distinct ids, in draft-id order)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.int64).flatten()
+        cfg = self.config
+        if ids.numel() != cfg.draft_vocab_size:
+            raise CheckpointError(
+                f"draft vocabulary has {ids.numel()} ids, config says {cfg.draft_vocab_size}"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            raise CheckpointError(f"draft vocabulary ids must lie in [0, {cfg.vocab_size})")
+        if torch.unique(ids).numel() != ids.numel():
+            raise CheckpointError("draft vocabulary ids must be distinct")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel(), dtype=torch.int64))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+        self._draft_to_target = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        double_final_norm: bool | None = None,
+        **hub_kwargs: Any,
+    ) -> DartHead:
+        """Load ``config.json`` + ``model.safetensors`` from a directory (or a hub repo id).
+
+        Keys are checked strictly against the published layout; every mismatch is reported.
+        """
+        directory = _resolve_head_dir(path, **hub_kwargs)
+        config_path = directory / CONFIG_NAME
+        weights_path = directory / WEIGHTS_NAME
+        try:
+            raw = json.loads(config_path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{config_path}: head config not found") from None
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object")
+        config = DartHeadConfig.from_dict(raw, source=str(config_path))
+        if double_final_norm is not None:
+            config.double_final_norm = double_final_norm
+        if not weights_path.is_file():
+            raise CheckpointError(f"{weights_path}: head weights not found")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(weights_path))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{weights_path}: cannot read safetensors ({err})") from None
+        head = cls(config)
+        head.load_checkpoint_state(state, source=str(weights_path))
+        return head
+
+    def load_checkpoint_state(self, state: Mapping[str, torch.Tensor], source: str) -> None:
+        """Strictly load a published-layout state dict, naming every problem found."""
+        expected = self.state_dict()
+        problems: list[str] = []
+        missing = [k for k in CHECKPOINT_KEYS if k not in state]
+        unexpected = sorted(k for k in state if k not in expected and k not in IGNORED_KEYS)
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        for key in CHECKPOINT_KEYS:
+            if key in state and tuple(state[key].shape) != tuple(expected[key].shape):
+                problems.append(
+                    f"{key}: shape {tuple(state[key].shape)}, expected "
+                    f"{tuple(expected[key].shape)} from the config"
+                )
+        if problems:
+            raise CheckpointError(f"{source}: " + "; ".join(problems))
+        own = {k: state[k] for k in CHECKPOINT_KEYS}
+        d2t = own["d2t"]
+        if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise CheckpointError(f"{source}: d2t must be an integer tensor, got {d2t.dtype}")
+        targets = d2t.to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
+        if targets.numel() and (
+            int(targets.min()) < 0 or int(targets.max()) >= self.config.vocab_size
+        ):
+            raise CheckpointError(
+                f"{source}: d2t maps draft ids outside the target vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        if torch.unique(targets).numel() != targets.numel():
+            raise CheckpointError(f"{source}: d2t maps two draft ids to the same target id")
+        own["d2t"] = d2t.to(torch.int64)
+        own["t2d"] = own["t2d"].to(torch.bool)
+        self.load_state_dict(own, strict=True)
+        self._draft_to_target = None
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` in the published layout."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
+        tmp = out / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / WEIGHTS_NAME)
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    # -- binding to a target ----------------------------------------------------------------
+
+    def check_compatible(self, target_config: Any) -> None:
+        """Raise :class:`IncompatibleHeadError` naming every field that does not fit the target."""
+        tc = (
+            target_config.get_text_config()
+            if hasattr(target_config, "get_text_config")
+            else target_config
+        )
+        cfg = self.config
+        heads = tc.num_attention_heads
+        t_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        pairs = [
+            ("hidden_size", cfg.hidden_size, tc.hidden_size),
+            ("target_hidden_size", cfg.target_hidden_size, tc.hidden_size),
+            ("head_dim", cfg.head_dim, t_head_dim),
+            ("vocab_size", cfg.vocab_size, tc.vocab_size),
+        ]
+        diffs = [
+            f"{name}: head {mine}, target {theirs}"
+            for name, mine, theirs in pairs
+            if mine != theirs
+        ]
+        if diffs:
+            raise IncompatibleHeadError(
+                "the DART head does not fit the target model: " + "; ".join(diffs)
+            )
+
+    def bind_embedding(self, embedding: nn.Module) -> None:
+        """Use the target's (frozen) token embedding; it is not a parameter of the head."""
+        # Stored outside the module tree so state_dict() never contains it.
+        object.__setattr__(self, "_embed", embedding)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target id of every draft id (``draft_id + d2t[draft_id]``), cached."""
+        if self._draft_to_target is None or self._draft_to_target.device != self.d2t.device:
+            self._draft_to_target = self.d2t + torch.arange(
+                self.d2t.numel(), device=self.d2t.device, dtype=torch.int64
+            )
+        return self._draft_to_target
+
+    def new_cache(self, capacity: int) -> HeadCache:
+        return HeadCache(capacity)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        taps: torch.Tensor,
+        next_ids: torch.Tensor,
+        cache: HeadCache | None = None,
+        num_masks: int | None = None,
+    ) -> torch.Tensor:
+        """Draft logits ``(batch, num_masks + 1, draft_vocab)``.
+
+        ``taps`` (batch, r, 3H): the target's tapped hidden states at r new real positions;
+        ``next_ids`` (batch, r): the token that follows each of them (the last one is the token
+        just sampled). Positions continue the cache; afterwards the cache holds the r real
+        positions and none of the mask slots.
+        """
+        if self._embed is None:
+            raise RuntimeError("bind_embedding(target embedding) before running the head")
+        m = self.config.draft_length if num_masks is None else num_masks
+        r = taps.shape[1]
+        past = cache.length if cache is not None else 0
+        projected = self.fc(taps)
+        embeds = self._embed(next_ids).to(projected.dtype)
+        n = r + m
+        positions = torch.arange(past, past + n, device=taps.device).unsqueeze(0)
+        cos, sin = self.rotary(projected, positions)
+        mask = causal_mask(n, past, projected.dtype, taps.device)
+        h = self.midlayer(embeds, projected, (cos, sin), cache, mask, m)
+        if cache is not None:
+            cache.truncate(past + r)
+        h = self.norm(h)
+        if self.config.double_final_norm:
+            h = self.norm(h)
+        return self.lm_head(h)
+
+
+def causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Float mask (1, 1, n, past + n): query i sees every cached key and new keys 0..i."""
+    mask = torch.full((n, past + n), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, :past] = 0
+    mask[:, past:] = torch.triu(mask[:, past:], diagonal=1)
+    return mask.view(1, 1, n, past + n)
+
+
+def _resolve_head_dir(path: str | Path, **hub_kwargs: Any) -> Path:
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise CheckpointError(f"{local}: expected a directory with {CONFIG_NAME} + {WEIGHTS_NAME}")
+    text = str(path)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"{path}: no such head directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME], **hub_kwargs)
+        )
+    except Exception as err:  # hub errors vary by version; report what happened
+        raise CheckpointError(
+            f"{path}: not a local directory, and downloading it from the hub failed ({err})"
+        ) from None

@@ -1,0 +1,281 @@
+"""The target model: transformers' own decoder, driven with explicit masks, positions and taps.
+
+One code path for every decoder-only model transformers builds with a ``model.layers`` stack
+(Llama family, Qwen3, ...): a custom 4D float attention mask (0 = attend, dtype-min =
+blocked) and explicit position ids pass through transformers unchanged, so tree
+verification needs no copy of any modeling file. The taps are the inputs of 0-based layers
+``2, N//2, N-3`` (captured by forward pre-hooks), concatenated low/mid/high.
+
+The KV cache is preallocated (:class:`TargetCache`): new keys/values are written in place,
+accepted tree nodes are compacted with ``index_select`` and rejected ones dropped, and it
+can never grow past its capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+from dart_client.errors import UnsupportedTargetError
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's K/V in a fixed-capacity buffer; ``keys``/``values`` are views of the prefix."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty((b, h, self.capacity, d))
+        self._v = value_states.new_empty(
+            (b, value_states.shape[1], self.capacity, value_states.shape[3])
+        )
+        self.keys = self._k[:, :, :0]
+        self.values = self._v[:, :, :0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._k is not None and self._v is not None
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(
+                f"target KV cache overflow: {end} positions for a capacity of {self.capacity}"
+            )
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys = self._k[:, :, :end]
+        self.values = self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def set_length(self, length: int) -> None:
+        self.length = length
+        if self._k is not None and self._v is not None:
+            self.keys = self._k[:, :, :length]
+            self.values = self._v[:, :, :length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        self.set_length(self.length + tokens_to_remove)
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move positions ``keep`` (absolute, ascending, all >= start) to ``start..`` in place."""
+        if self._k is None or self._v is None:
+            return
+        n = int(keep.numel())
+        # index_select copies first, so overlapping source and destination are safe.
+        self._k[:, :, start : start + n] = self._k.index_select(2, keep)
+        self._v[:, :, start : start + n] = self._v.index_select(2, keep)
+        self.set_length(start + n)
+
+    def reset(self) -> None:
+        self.set_length(0)
+
+
+class TargetCache(Cache):
+    """A transformers ``Cache`` of :class:`PreallocatedLayer` with tree-compaction helpers."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        first = self.layers[0]
+        assert isinstance(first, PreallocatedLayer)
+        return first.length
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            assert isinstance(layer, PreallocatedLayer)
+            layer.set_length(length)
+
+    def keep(self, start: int, node_indices: Sequence[int], device: torch.device) -> None:
+        """Keep tree nodes ``node_indices`` (relative to ``start``, ascending), drop the rest."""
+        n = len(node_indices)
+        if list(node_indices) == list(range(n)):
+            self.truncate(start + n)  # already in place: a crop suffices
+            return
+        keep = torch.tensor([start + i for i in node_indices], dtype=torch.long, device=device)
+        for layer in self.layers:
+            assert isinstance(layer, PreallocatedLayer)
+            layer.compact(start, keep)
+
+
+class TargetModel:
+    """A transformers causal LM wrapped for DART: taps, tree forwards, a preallocated cache."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        config = getattr(model, "config", None)
+        if config is None:
+            raise UnsupportedTargetError(
+                f"{type(model).__name__} has no .config: not a transformers model"
+            )
+        self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise UnsupportedTargetError(
+                f"{type(model).__name__}: expected a decoder with a `layers` ModuleList"
+            )
+        self.layers = layers
+        self.num_layers = len(layers)
+        if self.num_layers < 4:
+            raise UnsupportedTargetError(
+                f"{type(model).__name__} has {self.num_layers} layers; DART taps layers "
+                f"2, N//2 and N-3, so it needs at least 4"
+            )
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise UnsupportedTargetError(
+                f"{type(model).__name__}: layer types {sorted(set(layer_types))}; only full "
+                "attention can verify a tree against a compacted cache"
+            )
+        n = self.num_layers
+        self.tap_layers = (2, n // 2, n - 3)
+        self.hidden_size: int = self.config.hidden_size
+        heads = self.config.num_attention_heads
+        self.head_dim: int = getattr(self.config, "head_dim", None) or self.hidden_size // heads
+        self.vocab_size: int = self.config.vocab_size
+        self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
+        self._taps: dict[int, torch.Tensor] = {}
+        self._capture = False
+        self._hooks = [
+            layers[i].register_forward_pre_hook(self._make_hook(slot), with_kwargs=True)
+            for slot, i in enumerate(self.tap_layers)
+        ]
+        self.eos_token_ids = self._eos_ids()
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtype = getattr(self.model, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else next(self.model.parameters()).dtype
+
+    def embedding(self) -> nn.Module:
+        emb = self.model.get_input_embeddings()
+        if emb is None:
+            raise UnsupportedTargetError(f"{type(self.model).__name__} has no input embedding")
+        return emb
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        sources: list[Any] = [
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+            getattr(self.config, "eos_token_id", None),
+        ]
+        if self.tokenizer is not None:
+            sources.append(getattr(self.tokenizer, "eos_token_id", None))
+        for src in sources:
+            if src is None:
+                continue
+            if isinstance(src, int):
+                ids.add(src)
+            else:
+                ids.update(int(x) for x in src)
+        return frozenset(ids)
+
+    def close(self) -> None:
+        """Remove the tap hooks from the wrapped model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _make_hook(self, slot: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._capture:
+                self._taps[slot] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def new_cache(self, capacity: int) -> TargetCache:
+        return TargetCache(self.num_layers, capacity)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: TargetCache,
+        tree_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        taps: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over ``input_ids`` (1, n) appended to ``cache``.
+
+        ``tree_mask`` (n, n) bool says which new tokens each new token sees (None = causal);
+        every new token sees the whole cache. Returns logits of the last ``logits_to_keep``
+        positions (0 = all) and, when ``taps``, the tapped states (1, n, 3H).
+        """
+        n = input_ids.shape[1]
+        past = cache.length
+        mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device)
+        self._taps.clear()
+        self._capture = taps
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            self._capture = False
+        tapped = None
+        if taps:
+            tapped = torch.cat([self._taps[0], self._taps[1], self._taps[2]], dim=-1)
+            self._taps.clear()
+        return out.logits, tapped
+
+
+def attention_mask(
+    n: int,
+    past: int,
+    tree_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Float mask (1, 1, n, past + n): 0 = attend, dtype-min = blocked.
+
+    A bool mask would be simpler but gives silently wrong logits under eager attention.
+    """
+    blocked = torch.finfo(dtype).min
+    mask = torch.zeros((n, past + n), dtype=dtype, device=device)
+    if tree_mask is None:
+        mask[:, past:] = torch.full((n, n), blocked, dtype=dtype, device=device).triu(1)
+    else:
+        allowed = tree_mask.to(device=device, dtype=torch.bool)
+        mask[:, past:].masked_fill_(~allowed, blocked)
+    return mask.view(1, 1, n, past + n)

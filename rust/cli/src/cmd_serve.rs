@@ -1,0 +1,119 @@
+//! `dart-ngram serve`: the shared n-gram daemon (gRPC), see `docs/daemon.md`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dart_daemon::numa::{parse_cpulist, Placement};
+use dart_daemon::{DaemonConfig, LogFormat, ServeOptions};
+use dart_ngram::OpenOptions;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The n-gram model to serve (one read-only mapping shared by every connection).
+    #[arg(long, value_name = "MODEL.ngram")]
+    model: PathBuf,
+    /// Address to listen on. Loopback by default: the daemon speaks plaintext gRPC, so put a
+    /// TLS proxy in front of it before exposing it (docs/daemon.md).
+    #[arg(long, default_value = "127.0.0.1:50051", value_name = "ADDR:PORT")]
+    listen: SocketAddr,
+    /// Pin every thread to this NUMA node's CPUs and bind its memory to the node.
+    #[arg(long, value_name = "N", conflicts_with = "cpus")]
+    numa_node: Option<u32>,
+    /// Pin every thread to these CPUs (a list like 0-7,16-23).
+    #[arg(long, value_name = "LIST")]
+    cpus: Option<String>,
+    /// gRPC worker threads, and separately the size of the pool that runs batches
+    /// [default: the CPUs the process may use].
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Largest request accepted, in bytes; larger ones get RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
+    max_request_bytes: usize,
+    /// Requests handled at once; more get RESOURCE_EXHAUSTED right away.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    max_concurrent: usize,
+    /// Serve Prometheus metrics over HTTP on this address (GET /metrics).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_listen: Option<SocketAddr>,
+    /// Read the whole model into the page cache at start (MAP_POPULATE).
+    #[arg(long)]
+    populate: bool,
+    /// Lock the model's pages in RAM (mlock; needs LimitMEMLOCK / CAP_IPC_LOCK).
+    #[arg(long)]
+    lock: bool,
+    /// Advise transparent huge pages for the mapping.
+    #[arg(long)]
+    huge_pages: bool,
+    /// Check every section's checksum before serving (reads the whole file).
+    #[arg(long)]
+    verify: bool,
+    /// Seconds a shutdown waits for requests in flight.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    shutdown_grace: f64,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormatArg::Json)]
+    log_format: LogFormatArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormatArg {
+    Json,
+    Text,
+}
+
+pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let placement = match (args.numa_node, &args.cpus) {
+        (Some(node), _) => Placement::Node(node),
+        (None, Some(list)) => {
+            let cpus = parse_cpulist(list, "--cpus")?;
+            if cpus.is_empty() {
+                return Err("--cpus: empty CPU list (expected a list like 0-3,8)".into());
+            }
+            Placement::Cpus(cpus)
+        }
+        (None, None) => Placement::Unpinned,
+    };
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        return Err(format!(
+            "--shutdown-grace {}: expected a number of seconds >= 0",
+            args.shutdown_grace
+        )
+        .into());
+    }
+    if args.max_request_bytes < 1024 {
+        return Err(format!(
+            "--max-request-bytes {}: expected at least 1024 (a single prune request is ~2 KB)",
+            args.max_request_bytes
+        )
+        .into());
+    }
+    if args.max_concurrent == 0 {
+        return Err("--max-concurrent 0: expected at least 1".into());
+    }
+    let config = DaemonConfig {
+        model: args.model,
+        open: OpenOptions {
+            verify: args.verify,
+            populate: args.populate,
+            lock: args.lock,
+            huge_pages: args.huge_pages,
+        },
+        placement,
+        threads: args.threads,
+        serve: ServeOptions {
+            listen: args.listen,
+            max_request_bytes: args.max_request_bytes,
+            max_concurrent: args.max_concurrent,
+            metrics_listen: args.metrics_listen,
+            shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+            ..ServeOptions::default()
+        },
+        log_format: match args.log_format {
+            LogFormatArg::Json => LogFormat::Json,
+            LogFormatArg::Text => LogFormat::Text,
+        },
+    };
+    dart_daemon::run(config)?;
+    Ok(())
+}

@@ -1,0 +1,569 @@
+//! The real daemon on an ephemeral loopback port, queried through the generated gRPC client and
+//! compared with the same model and pruner called in process.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dart_daemon::proto::n_gram_service_client::NGramServiceClient;
+use dart_daemon::proto::{self, TokenRows};
+use dart_daemon::{bind, ServeOptions};
+use dart_ngram::{key, write_model, CountStream, ModelMeta, NGramModel, WriteOptions};
+use dart_pruner::{DraftRequest, Pruner, PrunerConfig};
+use tonic::transport::Channel;
+use tonic::Code;
+
+const VOCAB: u32 = 300;
+const EOS: u32 = 2;
+
+/// A small xorshift generator: deterministic inputs without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Zipf-like token: small ids are much more frequent, so contexts repeat.
+    fn token(&mut self) -> u32 {
+        let r = self.below(1 << 20) as f64 / (1u64 << 20) as f64;
+        ((VOCAB as f64).powf(r) as u32).min(VOCAB - 1)
+    }
+}
+
+/// Writes a 3-gram model of a synthetic corpus (EOS appended to every document, n-grams never
+/// crossing documents).
+fn write_test_model(path: &Path) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut grams: BTreeMap<Vec<u32>, u64> = BTreeMap::new();
+    let mut uni = vec![0u64; VOCAB as usize];
+    let mut total = 0;
+    let docs = 400;
+    for _ in 0..docs {
+        let len = 5 + rng.below(60) as usize;
+        let mut d: Vec<u32> = (0..len).map(|_| rng.token()).collect();
+        d.push(EOS);
+        total += d.len() as u64;
+        for i in 0..d.len() {
+            uni[d[i] as usize] += 1;
+            for n in 2..=3 {
+                if i + n <= d.len() {
+                    *grams.entry(d[i..i + n].to_vec()).or_insert(0) += 1;
+                }
+            }
+        }
+    }
+    let bits = key::token_bits(VOCAB);
+    let streams: Vec<CountStream<'static>> = (2..=3)
+        .map(|n| {
+            let mut v: Vec<(u64, u64)> = grams
+                .iter()
+                .filter(|(g, _)| g.len() == n)
+                .map(|(g, &c)| (key::pack(g, bits), c))
+                .collect();
+            v.sort_unstable();
+            Box::new(v.into_iter().map(Ok)) as CountStream<'static>
+        })
+        .collect();
+    let meta = ModelMeta {
+        order: 3,
+        vocab_size: VOCAB,
+        tokenizer_fingerprint: [0xAB; 32],
+        eos_id: Some(EOS),
+        min_count: 1,
+        total_tokens: total,
+        documents: docs,
+        source: "dart-daemon test".into(),
+    };
+    write_model(path, &meta, &uni, streams, &WriteOptions::default()).unwrap();
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: Arc<NGramModel>,
+    addr: std::net::SocketAddr,
+    metrics_addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: tokio::task::JoinHandle<dart_daemon::Result<()>>,
+}
+
+async fn start(options: ServeOptions) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("test.ngram");
+    write_test_model(&path);
+    let model = Arc::new(NGramModel::open(&path).unwrap());
+    let options = ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+        ..options
+    };
+    let bound = bind(Arc::clone(&model), options).await.unwrap();
+    let addr = bound.local_addr();
+    let metrics_addr = bound.metrics_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(bound.serve(async {
+        let _ = rx.await;
+    }));
+    Fixture {
+        _dir: dir,
+        model,
+        addr,
+        metrics_addr,
+        stop: Some(tx),
+        served,
+    }
+}
+
+async fn client(addr: std::net::SocketAddr) -> NGramServiceClient<Channel> {
+    NGramServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX)
+}
+
+fn rows(rows: &[Vec<u32>]) -> TokenRows {
+    TokenRows {
+        tokens: rows.iter().flatten().copied().collect(),
+        lengths: rows.iter().map(|r| r.len() as u32).collect(),
+    }
+}
+
+/// A draft like the head's: `levels` rows of `k` distinct ids, probabilities summing to 1.
+fn random_draft(rng: &mut Rng, levels: usize, k: usize) -> proto::Draft {
+    let ctx_len = 1 + rng.below(6) as usize;
+    let context: Vec<u32> = (0..ctx_len).map(|_| rng.token()).collect();
+    let mut ids = Vec::with_capacity(levels * k);
+    let mut probs = Vec::with_capacity(levels * k);
+    for _ in 0..levels {
+        let mut row: Vec<u32> = Vec::with_capacity(k);
+        while row.len() < k {
+            let t = rng.token();
+            if !row.contains(&t) {
+                row.push(t);
+            }
+        }
+        let w: Vec<f64> = (0..k).map(|_| (rng.below(1000) + 1) as f64).collect();
+        let s: f64 = w.iter().sum();
+        ids.extend(row);
+        probs.extend(w.iter().map(|x| (x / s) as f32));
+    }
+    proto::Draft {
+        context,
+        topk_ids: ids,
+        topk_probs: probs,
+        levels: levels as u32,
+        k: k as u32,
+        budget: if rng.below(3) == 0 {
+            Some(1 + rng.below(40) as u32)
+        } else {
+            None
+        },
+    }
+}
+
+fn local_request(d: &proto::Draft) -> DraftRequest<'_> {
+    DraftRequest {
+        context: &d.context,
+        topk_ids: &d.topk_ids,
+        topk_probs: &d.topk_probs,
+        levels: d.levels as usize,
+        k: d.k as usize,
+        budget: d.budget.map(|b| b as usize),
+    }
+}
+
+async fn stop(mut f: Fixture) {
+    f.stop.take().unwrap().send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), f.served)
+        .await
+        .expect("the daemon drains within 30 s")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_reports_the_model_and_its_tokenizer() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let info = c.info(proto::InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.order, 3);
+    assert_eq!(info.vocab_size, VOCAB);
+    assert_eq!(info.tokenizer_fingerprint, vec![0xAB; 32]);
+    assert_eq!(info.eos_id, Some(EOS));
+    assert_eq!(info.total_tokens, f.model.total_tokens());
+    let json: serde_json::Value = serde_json::from_str(&info.info_json).unwrap();
+    assert_eq!(json["vocab_size"], VOCAB);
+    stop(f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_queries_equal_local_ones() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(42);
+    for round in 0..20 {
+        // Alternate small batches (answered inline) and large ones (spread over rayon).
+        let n_rows = if round % 2 == 0 {
+            1 + rng.below(8)
+        } else {
+            100 + rng.below(50)
+        } as usize;
+        let contexts: Vec<Vec<u32>> = (0..n_rows)
+            .map(|_| (0..rng.below(5)).map(|_| rng.token()).collect())
+            .collect();
+        let candidates: Vec<Vec<u32>> = (0..n_rows)
+            .map(|_| (0..rng.below(30)).map(|_| rng.token()).collect())
+            .collect();
+        let remote = c
+            .prob(proto::ProbRequest {
+                contexts: Some(rows(&contexts)),
+                candidates: Some(rows(&candidates)),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut at = 0;
+        for (ctx, cands) in contexts.iter().zip(&candidates) {
+            let mut p = vec![0f32; cands.len()];
+            let mut m = vec![0u8; cands.len()];
+            f.model.prob_many(ctx, cands, &mut p, &mut m).unwrap();
+            assert_eq!(&remote.probs[at..at + cands.len()], &p[..]);
+            assert_eq!(&remote.matched[at..at + cands.len()], &m[..]);
+            at += cands.len();
+        }
+        assert_eq!(at, remote.probs.len());
+
+        let k = 1 + rng.below(40) as u32;
+        let top = c
+            .top_k(proto::TopKRequest {
+                contexts: Some(rows(&contexts)),
+                k,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut at = 0;
+        for (i, ctx) in contexts.iter().enumerate() {
+            let local = f.model.top_k(ctx, k as usize).unwrap();
+            let n = top.lengths[i] as usize;
+            let remote: Vec<(u32, f32)> = top.ids[at..at + n]
+                .iter()
+                .copied()
+                .zip(top.probs[at..at + n].iter().copied())
+                .collect();
+            assert_eq!(remote, local);
+            at += n;
+        }
+
+        let seqs: Vec<Vec<u32>> = (0..n_rows)
+            .map(|_| (0..rng.below(4)).map(|_| rng.token()).collect())
+            .collect();
+        let counts = c
+            .count(proto::CountRequest {
+                sequences: Some(rows(&seqs)),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .counts;
+        let local: Vec<u64> = seqs.iter().map(|s| f.model.count(s).unwrap()).collect();
+        assert_eq!(counts, local);
+    }
+    stop(f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prunes_equal_local_ones() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(7);
+    let pruner = Pruner::new(Arc::clone(&f.model), PrunerConfig::default()).unwrap();
+    for _ in 0..30 {
+        let levels = 1 + rng.below(8) as usize;
+        let k = 1 + rng.below(25) as usize;
+        let d = random_draft(&mut rng, levels, k);
+        let remote = c
+            .prune(proto::PruneRequest {
+                draft: Some(d.clone()),
+                config: None,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .tree
+            .unwrap();
+        let local = pruner.prune(&local_request(&d)).unwrap();
+        assert_eq!(remote, dart_daemon::service::tree_to_proto(&local));
+        assert_eq!(remote.tokens.len(), local.len());
+        assert_eq!(
+            remote.attention_mask.len(),
+            local.len() * local.len(),
+            "the mask is n x n"
+        );
+    }
+    // A configuration override prunes exactly as a local pruner with that configuration.
+    let overrides = proto::PrunerConfig {
+        beam_width: Some(5),
+        max_nodes: Some(17),
+        ngram_weight: Some(0.0),
+        ..Default::default()
+    };
+    let custom = Pruner::new(
+        Arc::clone(&f.model),
+        PrunerConfig {
+            beam_width: 5,
+            max_nodes: 17,
+            ngram_weight: 0.0,
+            ..PrunerConfig::default()
+        },
+    )
+    .unwrap();
+    let drafts: Vec<proto::Draft> = (0..12).map(|_| random_draft(&mut rng, 8, 25)).collect();
+    let batch = c
+        .prune_batch(proto::PruneBatchRequest {
+            drafts: drafts.clone(),
+            config: Some(overrides),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .trees;
+    assert_eq!(batch.len(), drafts.len());
+    for (d, remote) in drafts.iter().zip(&batch) {
+        let local = custom.prune(&local_request(d)).unwrap();
+        assert_eq!(remote, &dart_daemon::service::tree_to_proto(&local));
+    }
+    stop(f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
+    let f = start(ServeOptions {
+        max_request_bytes: 64 * 1024,
+        ..ServeOptions::default()
+    })
+    .await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(3);
+
+    // Out of vocabulary.
+    let err = c
+        .prob(proto::ProbRequest {
+            contexts: Some(rows(&[vec![1, 2]])),
+            candidates: Some(rows(&[vec![5, VOCAB + 7]])),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains(&(VOCAB + 7).to_string()), "{err:?}");
+
+    // Ragged rows that do not add up.
+    let err = c
+        .prob(proto::ProbRequest {
+            contexts: Some(TokenRows {
+                tokens: vec![1, 2, 3],
+                lengths: vec![2, 2],
+            }),
+            candidates: Some(rows(&[vec![1], vec![2]])),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("contexts"), "{err:?}");
+
+    // Row count mismatch.
+    let err = c
+        .prob(proto::ProbRequest {
+            contexts: Some(rows(&[vec![1]])),
+            candidates: Some(rows(&[vec![1], vec![2]])),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // Bad probability, bad shape, duplicate ids, missing draft, bad config.
+    let mut d = random_draft(&mut rng, 4, 10);
+    d.topk_probs[3] = 1.5;
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(d),
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("1.5"), "{err:?}");
+    let mut d = random_draft(&mut rng, 4, 10);
+    d.k = 11;
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(d),
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: None,
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(random_draft(&mut rng, 2, 3)),
+            config: Some(proto::PrunerConfig {
+                beam_width: Some(0),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("beam_width"), "{err:?}");
+    // A bad draft inside a batch names its index.
+    let mut drafts: Vec<proto::Draft> = (0..3).map(|_| random_draft(&mut rng, 3, 5)).collect();
+    drafts[2].topk_ids[0] = VOCAB;
+    let err = c
+        .prune_batch(proto::PruneBatchRequest {
+            drafts,
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().starts_with("drafts[2]"), "{err:?}");
+
+    // Oversized: 100k candidates is ~300 KB on the wire, above the 64 KiB limit.
+    let big: Vec<u32> = (0..100_000).map(|i| i % VOCAB).collect();
+    let err = c
+        .prob(proto::ProbRequest {
+            contexts: Some(rows(&[vec![1]])),
+            candidates: Some(rows(&[big])),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("--max-request-bytes"), "{err:?}");
+
+    // Still serving, on the same connection and on a new one.
+    let ok = c
+        .prob(proto::ProbRequest {
+            contexts: Some(rows(&[vec![1, 2]])),
+            candidates: Some(rows(&[vec![3]])),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ok.probs.len(), 1);
+    let mut c2 = client(f.addr).await;
+    c2.info(proto::InfoRequest {}).await.unwrap();
+
+    // The metrics endpoint counted the errors by code.
+    let text = http_get(f.metrics_addr, "/metrics").await;
+    assert!(
+        text.contains(
+            "dart_ngram_errors_total{method=\"/dart.ngram.v1.NGramService/Prob\",code=\"RESOURCE_EXHAUSTED\"} 1"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "dart_ngram_errors_total{method=\"/dart.ngram.v1.NGramService/Prune\",code=\"INVALID_ARGUMENT\"} 4"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("dart_ngram_request_duration_seconds_bucket{method=\"/dart.ngram.v1.NGramService/Prob\",le=\"+Inf\"}"));
+    stop(f).await;
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_serving_for_the_server_and_the_service() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let f = start(ServeOptions::default()).await;
+    let channel = Channel::from_shared(format!("http://{}", f.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in ["", dart_daemon::SERVICE_NAME] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, 1, "SERVING for {service:?}");
+    }
+    let err = health
+        .check(HealthCheckRequest {
+            service: "no.such.Service".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    stop(f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_the_request_in_flight_finish() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(11);
+    // A batch heavy enough to still be running when the shutdown starts.
+    let drafts: Vec<proto::Draft> = (0..1500).map(|_| random_draft(&mut rng, 8, 25)).collect();
+    let n = drafts.len();
+    let call = tokio::spawn(async move {
+        c.prune_batch(proto::PruneBatchRequest {
+            drafts,
+            config: None,
+        })
+        .await
+    });
+    // Wait until the daemon has the request in hand.
+    let mut seen = false;
+    for _ in 0..500 {
+        let text = http_get(f.metrics_addr, "/metrics").await;
+        if text.contains("dart_ngram_in_flight_requests 1") {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(seen, "the batch never showed up in flight");
+    let addr = f.addr;
+    stop(f).await;
+    let trees = call
+        .await
+        .unwrap()
+        .expect("the in-flight batch completes")
+        .into_inner()
+        .trees;
+    assert_eq!(trees.len(), n);
+    // And nothing listens any more.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

@@ -1,0 +1,351 @@
+//! Additive merge of models built from disjoint shards of a corpus.
+//!
+//! Counts of the same n-gram are summed: with unpruned inputs the result is exactly the model
+//! of the concatenated corpus. Each order is a k-way merge of the inputs' sorted levels,
+//! streamed into the writer, so memory stays bounded by the writer's needs.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::path::Path;
+
+use crate::error::{NGramError, Result};
+use crate::model::{hex, NGramModel};
+use crate::writer::{write_model, CountStream, ModelMeta, WriteOptions, WriteReport};
+
+/// How to merge.
+#[derive(Clone, Debug)]
+pub struct MergeOptions {
+    /// Accept inputs pruned with `min_count > 1`. Their sum is *not* the model of the
+    /// concatenated corpus (an n-gram dropped from one shard loses its count there), so this
+    /// is refused unless asked for.
+    pub allow_pruned: bool,
+    /// Drop n-grams of order >= 2 whose summed count is below this (1 = keep all). With
+    /// pruned inputs the output is pruned at least at the highest input `min_count`, so the
+    /// header's `min_count` stays true.
+    pub min_count: u64,
+    /// Top-list length of the output.
+    pub write: WriteOptions,
+    /// Provenance stored in the output (default `"dart-ngram merge of N models"`).
+    pub source: Option<String>,
+}
+
+impl Default for MergeOptions {
+    fn default() -> Self {
+        MergeOptions {
+            allow_pruned: false,
+            min_count: 1,
+            write: WriteOptions::default(),
+            source: None,
+        }
+    }
+}
+
+/// Merges `inputs` (same order, vocabulary, tokenizer and EOS) into `output`, atomically.
+pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Result<WriteReport> {
+    if inputs.is_empty() {
+        return Err(NGramError::InvalidArgument(
+            "merge needs at least one input model".into(),
+        ));
+    }
+    if opts.min_count == 0 {
+        return Err(NGramError::InvalidArgument(
+            "merge min_count 0; use 1 to keep every n-gram".into(),
+        ));
+    }
+    let models = inputs
+        .iter()
+        .map(|p| NGramModel::open(p))
+        .collect::<Result<Vec<_>>>()?;
+    let first = &models[0];
+    let mismatch = |m: &NGramModel, what: &str, a: String, b: String| {
+        NGramError::InvalidArgument(format!(
+            "cannot merge {} ({what} {b}) with {} ({what} {a}): every input needs the same {what}",
+            m.path().display(),
+            first.path().display()
+        ))
+    };
+    for m in &models[1..] {
+        if m.order() != first.order() {
+            return Err(mismatch(
+                m,
+                "order",
+                first.order().to_string(),
+                m.order().to_string(),
+            ));
+        }
+        if m.vocab_size() != first.vocab_size() {
+            return Err(mismatch(
+                m,
+                "vocabulary size",
+                first.vocab_size().to_string(),
+                m.vocab_size().to_string(),
+            ));
+        }
+        if m.tokenizer_fingerprint() != first.tokenizer_fingerprint() {
+            return Err(NGramError::TokenizerMismatch {
+                detail: format!(
+                    "cannot merge {} (tokenizer {}) with {} (tokenizer {})",
+                    m.path().display(),
+                    hex(&m.tokenizer_fingerprint()),
+                    first.path().display(),
+                    hex(&first.tokenizer_fingerprint())
+                ),
+            });
+        }
+        if m.eos_id() != first.eos_id() {
+            return Err(mismatch(
+                m,
+                "eos id",
+                format!("{:?}", first.eos_id()),
+                format!("{:?}", m.eos_id()),
+            ));
+        }
+    }
+    if !opts.allow_pruned {
+        if let Some(m) = models.iter().find(|m| m.min_count() > 1) {
+            return Err(NGramError::InvalidArgument(format!(
+                "{} was pruned with min_count {}: merging pruned shards is not the model of the \
+                 concatenated corpus; build shards unpruned and prune the merge (min_count), or \
+                 allow pruned inputs explicitly",
+                m.path().display(),
+                m.min_count()
+            )));
+        }
+    }
+    let overflow = |what: &str| NGramError::CountOverflow {
+        path: output.to_path_buf(),
+        detail: format!("summed {what} exceed 64 bits"),
+    };
+    let vocab = first.vocab_size() as usize;
+    let mut unigrams = vec![0u64; vocab];
+    let (mut total, mut docs) = (0u64, 0u64);
+    for m in &models {
+        for item in m.iter_order(1) {
+            let (t, c) = item?;
+            let slot = &mut unigrams[t as usize];
+            *slot = slot
+                .checked_add(c)
+                .ok_or_else(|| overflow("unigram counts"))?;
+        }
+        total = total
+            .checked_add(m.total_tokens())
+            .ok_or_else(|| overflow("token totals"))?;
+        docs = docs.saturating_add(m.documents());
+    }
+    let min_count = models
+        .iter()
+        .map(|m| m.min_count())
+        .max()
+        .unwrap_or(1)
+        .max(opts.min_count);
+    let meta = ModelMeta {
+        order: first.order(),
+        vocab_size: first.vocab_size(),
+        tokenizer_fingerprint: first.tokenizer_fingerprint(),
+        eos_id: first.eos_id(),
+        min_count,
+        total_tokens: total,
+        documents: docs,
+        source: opts
+            .source
+            .clone()
+            .unwrap_or_else(|| format!("dart-ngram merge of {} models", models.len())),
+    };
+    let mut higher: Vec<CountStream<'_>> = Vec::new();
+    for n in 2..=first.order() {
+        let merged = KMerge::new(models.iter().map(|m| m.iter_order(n)).collect(), output);
+        let keep = min_count;
+        higher.push(Box::new(merged.filter(move |r| match r {
+            Ok((_, c)) => *c >= keep,
+            Err(_) => true,
+        })));
+    }
+    write_model(output, &meta, &unigrams, higher, &opts.write)
+}
+
+/// Sums equal keys across several ascending `(key, count)` streams.
+struct KMerge<'p, I> {
+    sources: Vec<I>,
+    heap: BinaryHeap<Reverse<(u64, usize)>>,
+    heads: Vec<u64>,
+    primed: bool,
+    failed: bool,
+    output: &'p Path,
+}
+
+impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
+    fn new(sources: Vec<I>, output: &'p Path) -> Self {
+        let n = sources.len();
+        KMerge {
+            sources,
+            heap: BinaryHeap::with_capacity(n),
+            heads: vec![0; n],
+            primed: false,
+            failed: false,
+            output,
+        }
+    }
+
+    fn pull(&mut self, i: usize) -> Result<()> {
+        if let Some(item) = self.sources[i].next() {
+            let (k, c) = item?;
+            self.heads[i] = c;
+            self.heap.push(Reverse((k, i)));
+        }
+        Ok(())
+    }
+}
+
+impl<I: Iterator<Item = Result<(u64, u64)>>> Iterator for KMerge<'_, I> {
+    type Item = Result<(u64, u64)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let step = (|| -> Result<Option<(u64, u64)>> {
+            if !self.primed {
+                self.primed = true;
+                for i in 0..self.sources.len() {
+                    self.pull(i)?;
+                }
+            }
+            let Some(Reverse((key, i))) = self.heap.pop() else {
+                return Ok(None);
+            };
+            let mut sum = self.heads[i];
+            self.pull(i)?;
+            while let Some(&Reverse((k, j))) = self.heap.peek() {
+                if k != key {
+                    break;
+                }
+                self.heap.pop();
+                sum = sum
+                    .checked_add(self.heads[j])
+                    .ok_or_else(|| NGramError::CountOverflow {
+                        path: self.output.to_path_buf(),
+                        detail: format!("summed count of key {key:#x} exceeds 64 bits"),
+                    })?;
+                self.pull(j)?;
+            }
+            Ok(Some((key, sum)))
+        })();
+        match step {
+            Ok(Some(v)) => Some(Ok(v)),
+            Ok(None) => None,
+            Err(e) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::count_corpus;
+    use proptest::prelude::*;
+
+    fn orders(m: &NGramModel) -> Vec<Vec<(u64, u64)>> {
+        (1..=m.order())
+            .map(|n| m.iter_order(n).collect::<Result<_>>().unwrap())
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn merge_equals_the_model_of_the_concatenation(
+            docs in prop::collection::vec(prop::collection::vec(0u32..12, 0..30), 0..10),
+            cut in 0usize..10,
+            shards in 1usize..4,
+            order in 1usize..=3,
+            min_count in 1u64..=3,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let cut = cut.min(docs.len());
+            let parts: Vec<&[Vec<u32>]> = match shards {
+                1 => vec![&docs[..]],
+                2 => vec![&docs[..cut], &docs[cut..]],
+                _ => vec![&docs[..cut], &[], &docs[cut..]],
+            };
+            let mut paths = Vec::new();
+            for (i, part) in parts.iter().enumerate() {
+                let p = dir.path().join(format!("shard{i}.ngram"));
+                count_corpus(part, order, 13, Some(12), 1).write(&p, 2).unwrap();
+                paths.push(p);
+            }
+            let out = dir.path().join("merged.ngram");
+            let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
+            let opts = MergeOptions { min_count, write: WriteOptions { top_list_len: 2 }, ..Default::default() };
+            let report = merge_models(&refs, &out, &opts).unwrap();
+            let whole = count_corpus(&docs, order, 13, Some(12), min_count);
+            let wp = dir.path().join("whole.ngram");
+            whole.write(&wp, 2).unwrap();
+            let (m, w) = (NGramModel::open(&out).unwrap(), NGramModel::open(&wp).unwrap());
+            m.verify().unwrap();
+            prop_assert_eq!(orders(&m), orders(&w));
+            prop_assert_eq!(report.ngrams_per_order, w.ngrams_per_order());
+            prop_assert_eq!(m.total_tokens(), w.total_tokens());
+            prop_assert_eq!(m.documents(), w.documents());
+            prop_assert_eq!(m.min_count(), min_count);
+        }
+    }
+
+    #[test]
+    fn incompatible_inputs_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let docs = vec![vec![1, 2, 3, 1, 2]];
+        let write = |name: &str, c: crate::testutil::Counts| {
+            let p = d.join(name);
+            c.write(&p, 32).unwrap();
+            p
+        };
+        let a = write("a.ngram", count_corpus(&docs, 3, 5, None, 1));
+        let order = write("order.ngram", count_corpus(&docs, 2, 5, None, 1));
+        let vocab = write("vocab.ngram", count_corpus(&docs, 3, 6, None, 1));
+        let eos = write("eos.ngram", count_corpus(&docs, 3, 5, Some(4), 1));
+        let pruned = write("pruned.ngram", count_corpus(&docs, 3, 5, None, 2));
+        let out = d.join("out.ngram");
+        let run = |b: &Path, opts: &MergeOptions| merge_models(&[a.as_path(), b], &out, opts);
+        let def = MergeOptions::default();
+        for (b, want) in [
+            (&order, "order"),
+            (&vocab, "vocabulary size"),
+            (&eos, "eos id"),
+        ] {
+            let msg = run(b, &def).unwrap_err().to_string();
+            assert!(
+                msg.contains(want)
+                    && msg.contains("a.ngram")
+                    && msg.contains(b.file_name().unwrap().to_str().unwrap()),
+                "{msg}"
+            );
+        }
+        let msg = run(&pruned, &def).unwrap_err().to_string();
+        assert!(
+            msg.contains("pruned.ngram") && msg.contains("min_count 2"),
+            "{msg}"
+        );
+        run(
+            &pruned,
+            &MergeOptions {
+                allow_pruned: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(NGramModel::open(&out).unwrap().min_count(), 2);
+        // Another tokenizer: patch the fingerprint through the writer.
+        let c = count_corpus(&docs, 3, 5, None, 1);
+        let other = d.join("other.ngram");
+        let mut meta = c.meta();
+        meta.tokenizer_fingerprint = [9; 32];
+        write_model(&other, &meta, &c.uni, c.streams(), &WriteOptions::default()).unwrap();
+        let err = run(&other, &def).unwrap_err();
+        assert!(matches!(err, NGramError::TokenizerMismatch { .. }), "{err}");
+        assert!(merge_models(&[], &out, &def).is_err());
+    }
+}

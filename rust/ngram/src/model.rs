@@ -1,0 +1,1314 @@
+//! [`NGramModel`]: a `.ngram` file mapped into memory and queried in place.
+//!
+//! Opening reads and checks the header only (O(order), no scan, no RAM beyond the pages
+//! touched). Queries walk the CSR levels: a context is located once per suffix length, then
+//! each candidate is a binary search among that context's children, which are sorted by token
+//! id. Every offset read from the file is checked before use, so a corrupt file yields
+//! [`NGramError::Corrupt`], never a panic; [`NGramModel::verify`] checks the section checksums
+//! and every structural invariant with a full scan.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::{Advice, Mmap, MmapOptions};
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::bits::{width_for, Packed};
+use crate::error::{NGramError, Result};
+use crate::format::{Header, SectionKind, FIXED_HEADER, NO_EOS, VERSION};
+use crate::writer::ModelMeta;
+
+/// How to open a model.
+#[derive(Clone, Debug, Default)]
+pub struct OpenOptions {
+    /// Check every section's checksum and invariants (a full scan) before returning.
+    pub verify: bool,
+    /// Read the whole file into the page cache now (`MAP_POPULATE`) instead of on first touch.
+    pub populate: bool,
+    /// Pin the pages in RAM (`mlock`); needs `RLIMIT_MEMLOCK` to allow it.
+    pub lock: bool,
+    /// Advise transparent huge pages for the mapping (`MADV_HUGEPAGE`); best effort.
+    pub huge_pages: bool,
+}
+
+/// A packed column: where it lies in the file and its shape.
+#[derive(Clone, Copy, Debug, Default)]
+struct Col {
+    off: usize,
+    bytes: usize,
+    len: u64,
+    width: u32,
+}
+
+/// The columns of one order.
+#[derive(Clone, Debug, Default)]
+struct Level {
+    /// Entries of this order (order 1: `vocab_size`, dense by token id).
+    entries: u64,
+    /// Order 1: the counts; order >= 2: ranks into `values`.
+    counts: Col,
+    /// Order >= 2: the distinct counts (u64 LE), `(offset, len)`.
+    values: (usize, u64),
+    /// Order >= 2: last token of each n-gram.
+    tokens: Col,
+    /// Order < N: CSR offsets into the next order (`entries + 1` values).
+    children: Option<Col>,
+    /// Order < N: contexts with a top list, and the lists.
+    top_ctx: Option<Col>,
+    top_lists: Option<Col>,
+}
+
+/// Most context suffixes a query can have: orders are at most 64 (one-bit tokens in a u64
+/// key), so at most 63 suffixes.
+const MAX_CTXS: usize = 64;
+
+/// A located context: the range of its children in the next order and its count.
+#[derive(Clone, Copy, Debug)]
+struct Ctx {
+    /// 1-based order of the context itself.
+    order: usize,
+    /// Id of the context within its order (token id for order 1).
+    id: u64,
+    lo: u64,
+    hi: u64,
+    count: u64,
+}
+
+/// What `info` reports (serialisable for `dart-ngram info --json` and Python).
+#[derive(Clone, Debug, Serialize)]
+pub struct Info {
+    pub path: String,
+    pub format_version: u32,
+    pub bytes: u64,
+    pub order: usize,
+    pub vocab_size: u32,
+    pub token_bits: u32,
+    pub tokenizer_fingerprint: String,
+    pub eos_id: Option<u32>,
+    pub total_tokens: u64,
+    pub documents: u64,
+    pub min_count: u64,
+    pub top_list_len: u32,
+    /// Distinct n-grams per order, index 0 = order 1.
+    pub ngrams_per_order: Vec<u64>,
+    pub total_ngrams: u64,
+    /// Bytes on disk divided by the distinct n-grams of all orders.
+    pub bytes_per_ngram: f64,
+    pub source: String,
+    pub sections: Vec<SectionInfo>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SectionInfo {
+    pub kind: &'static str,
+    pub order: u32,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// An n-gram model mapped from a file. `Send + Sync`: share it behind an `Arc`.
+pub struct NGramModel {
+    path: PathBuf,
+    map: Mmap,
+    header: Header,
+    levels: Vec<Level>,
+}
+
+impl std::fmt::Debug for NGramModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NGramModel")
+            .field("path", &self.path)
+            .field("order", &self.header.order)
+            .field("vocab_size", &self.header.vocab_size)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl NGramModel {
+    /// Maps `path` and checks its header (magic, version, checksum, section bounds): O(1).
+    pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with(path, &OpenOptions::default())
+    }
+
+    pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Self> {
+        let io = |e: std::io::Error| NGramError::io(path, e);
+        let file = File::open(path).map_err(io)?;
+        let file_len = file.metadata().map_err(io)?.len();
+        if file_len == 0 {
+            return Err(NGramError::Corrupt {
+                path: path.to_path_buf(),
+                detail: format!("empty file (a model starts with a {FIXED_HEADER}-byte header)"),
+            });
+        }
+        let mut mo = MmapOptions::new();
+        if opts.populate {
+            mo.populate();
+        }
+        // SAFETY: the mapping is read-only; like every mmap reader we rely on the file not
+        // being truncated underneath us (model files are written once and renamed into place).
+        let map = unsafe { mo.map(&file) }.map_err(io)?;
+        let header = Header::parse(path, &map, file_len)?;
+        let mut model = NGramModel {
+            path: path.to_path_buf(),
+            map,
+            header,
+            levels: Vec::new(),
+        };
+        model.levels = model.build_levels()?;
+        if opts.huge_pages {
+            // Best effort: kernels without THP for file mappings just decline.
+            let _ = model.map.advise(Advice::HugePage);
+        }
+        if opts.lock {
+            model.map.lock().map_err(io)?;
+        }
+        if opts.verify {
+            model.verify()?;
+        }
+        Ok(model)
+    }
+
+    fn corrupt(&self, detail: impl Into<String>) -> NGramError {
+        NGramError::Corrupt {
+            path: self.path.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    fn build_levels(&self) -> Result<Vec<Level>> {
+        let h = &self.header;
+        let n_max = h.order as usize;
+        let col = |kind: SectionKind, n: usize, len: u64, width: u32| -> Result<Col> {
+            let s = h.section(kind, n).ok_or_else(|| {
+                self.corrupt(format!("missing section {} of order {n}", kind.name()))
+            })?;
+            let c = Col {
+                off: s.offset as usize,
+                bytes: s.length as usize,
+                len,
+                width,
+            };
+            // Parse already matched the size; this re-check keeps query-time views trusted.
+            Packed::new(&self.map[c.off..c.off + c.bytes], len, width).ok_or_else(|| {
+                self.corrupt(format!("section {} of order {n} is too short", kind.name()))
+            })?;
+            Ok(c)
+        };
+        let mut levels = Vec::with_capacity(n_max);
+        for n in 1..=n_max {
+            let rec = &h.orders[n - 1];
+            let entries = h.entries(n);
+            let mut lv = Level {
+                entries,
+                ..Level::default()
+            };
+            if n == 1 {
+                lv.counts = col(SectionKind::UnigramCounts, 1, entries, rec.count_width)?;
+            } else {
+                lv.tokens = col(SectionKind::Tokens, n, entries, h.token_bits)?;
+                lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
+                let s = h
+                    .section(SectionKind::CountValues, n)
+                    .ok_or_else(|| self.corrupt(format!("missing count table of order {n}")))?;
+                lv.values = (s.offset as usize, rec.count_values);
+            }
+            if n < n_max {
+                lv.children = Some(col(
+                    SectionKind::ChildOffsets,
+                    n,
+                    entries + 1,
+                    rec.child_width,
+                )?);
+                if rec.top_contexts > 0 {
+                    lv.top_ctx = Some(col(
+                        SectionKind::TopContexts,
+                        n,
+                        rec.top_contexts,
+                        width_for(entries.saturating_sub(1)),
+                    )?);
+                    lv.top_lists = Some(col(
+                        SectionKind::TopLists,
+                        n,
+                        rec.top_contexts * u64::from(h.top_list_len),
+                        rec.top_rel_width,
+                    )?);
+                }
+            }
+            levels.push(lv);
+        }
+        // O(1) cross-check of the counts against the data: each CSR column must end exactly
+        // at the next order's length.
+        for n in 1..n_max {
+            let col = levels[n - 1].children.expect("order below N has children");
+            let v = Packed::trusted(&self.map[col.off..col.off + col.bytes], col.len, col.width);
+            let (first, last) = (v.get(0), v.get(col.len - 1));
+            if first != 0 || last != levels[n].entries {
+                return Err(self.corrupt(format!(
+                    "order {n} child offsets span {first}..{last}, expected 0..{} (the n-grams of order {})",
+                    levels[n].entries,
+                    n + 1
+                )));
+            }
+        }
+        Ok(levels)
+    }
+
+    #[inline]
+    fn view(&self, c: Col) -> Packed<'_> {
+        Packed::trusted(&self.map[c.off..c.off + c.bytes], c.len, c.width)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn order(&self) -> usize {
+        self.header.order as usize
+    }
+    pub fn vocab_size(&self) -> u32 {
+        self.header.vocab_size
+    }
+    pub fn tokenizer_fingerprint(&self) -> [u8; 32] {
+        self.header.fingerprint
+    }
+    pub fn eos_id(&self) -> Option<u32> {
+        (self.header.eos != NO_EOS).then_some(self.header.eos)
+    }
+    pub fn total_tokens(&self) -> u64 {
+        self.header.total_tokens
+    }
+    pub fn documents(&self) -> u64 {
+        self.header.documents
+    }
+    pub fn min_count(&self) -> u64 {
+        self.header.min_count
+    }
+    /// Distinct n-grams per order, index 0 = order 1.
+    pub fn ngrams_per_order(&self) -> Vec<u64> {
+        self.header.orders.iter().map(|r| r.ngrams).collect()
+    }
+    /// File size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn meta(&self) -> ModelMeta {
+        ModelMeta {
+            order: self.order(),
+            vocab_size: self.vocab_size(),
+            tokenizer_fingerprint: self.header.fingerprint,
+            eos_id: self.eos_id(),
+            min_count: self.header.min_count,
+            total_tokens: self.header.total_tokens,
+            documents: self.header.documents,
+            source: self.header.source.clone(),
+        }
+    }
+
+    pub fn info(&self) -> Info {
+        let per = self.ngrams_per_order();
+        let total: u64 = per.iter().sum();
+        Info {
+            path: self.path.display().to_string(),
+            format_version: VERSION,
+            bytes: self.bytes(),
+            order: self.order(),
+            vocab_size: self.vocab_size(),
+            token_bits: self.header.token_bits,
+            tokenizer_fingerprint: hex(&self.header.fingerprint),
+            eos_id: self.eos_id(),
+            total_tokens: self.header.total_tokens,
+            documents: self.header.documents,
+            min_count: self.header.min_count,
+            top_list_len: self.header.top_list_len,
+            ngrams_per_order: per,
+            total_ngrams: total,
+            bytes_per_ngram: if total == 0 {
+                0.0
+            } else {
+                self.bytes() as f64 / total as f64
+            },
+            source: self.header.source.clone(),
+            sections: self
+                .header
+                .sections
+                .iter()
+                .map(|s| SectionInfo {
+                    kind: s.kind.name(),
+                    order: s.order,
+                    offset: s.offset,
+                    length: s.length,
+                })
+                .collect(),
+        }
+    }
+
+    /// Fails with [`NGramError::TokenizerMismatch`] unless the model was built with the
+    /// tokenizer whose fingerprint is `expected`.
+    pub fn check_fingerprint(&self, expected: &[u8; 32]) -> Result<()> {
+        if &self.header.fingerprint == expected {
+            return Ok(());
+        }
+        let detail = if self.header.fingerprint == [0u8; 32] {
+            format!(
+                "{} records no tokenizer (built from pre-tokenized ids); expected tokenizer {}",
+                self.path.display(),
+                hex(expected)
+            )
+        } else {
+            format!(
+                "{} was built with tokenizer {}, but the tokenizer in use is {}",
+                self.path.display(),
+                hex(&self.header.fingerprint),
+                hex(expected)
+            )
+        };
+        Err(NGramError::TokenizerMismatch { detail })
+    }
+
+    #[inline]
+    fn check_token(&self, t: u32) -> Result<()> {
+        if t >= self.header.vocab_size {
+            return Err(NGramError::TokenOutOfVocab {
+                token: u64::from(t),
+                vocab_size: self.header.vocab_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// Count of entry `i` of order `n` (`i < entries(n)`).
+    #[inline]
+    fn count_at(&self, n: usize, i: u64) -> Result<u64> {
+        let lv = &self.levels[n - 1];
+        let c = self.view(lv.counts).get(i);
+        if n == 1 {
+            return Ok(c);
+        }
+        let (off, len) = lv.values;
+        if c >= len {
+            return Err(self.corrupt(format!(
+                "order {n} entry {i}: count rank {c} outside the table of {len}"
+            )));
+        }
+        let at = off + c as usize * 8;
+        Ok(u64::from_le_bytes(
+            self.map[at..at + 8].try_into().expect("8 bytes"),
+        ))
+    }
+
+    /// Children range (in order n+1) of entry `i` of order `n < N`.
+    #[inline]
+    fn children_of(&self, n: usize, i: u64) -> Result<(u64, u64)> {
+        let lv = &self.levels[n - 1];
+        let col = lv.children.expect("order below N has children");
+        let v = self.view(col);
+        let (lo, hi) = (v.get(i), v.get(i + 1));
+        let next = self.levels[n].entries;
+        if lo > hi || hi > next {
+            return Err(self.corrupt(format!(
+                "order {n} entry {i}: children {lo}..{hi} outside order {} of {next} entries",
+                n + 1
+            )));
+        }
+        Ok((lo, hi))
+    }
+
+    /// Locates `ctx` (1..N-1 tokens, already checked against the vocabulary): its children's
+    /// range in the next order and its count; `None` if it was never seen.
+    fn locate(&self, ctx: &[u32]) -> Result<Option<Ctx>> {
+        debug_assert!(!ctx.is_empty() && ctx.len() < self.order());
+        let mut id = u64::from(ctx[0]);
+        let mut count = self.count_at(1, id)?;
+        if count == 0 {
+            return Ok(None);
+        }
+        for (i, &t) in ctx.iter().enumerate().skip(1) {
+            // `id` is at order i; find t among its children at order i+1.
+            let (lo, hi) = self.children_of(i, id)?;
+            let toks = self.view(self.levels[i].tokens);
+            match toks.find(lo, hi, u64::from(t)) {
+                Some(j) => {
+                    id = j;
+                    count = self.count_at(i + 1, j)?;
+                }
+                None => return Ok(None),
+            }
+        }
+        let order = ctx.len();
+        let (lo, hi) = self.children_of(order, id)?;
+        Ok(Some(Ctx {
+            order,
+            id,
+            lo,
+            hi,
+            count,
+        }))
+    }
+
+    /// The located suffixes of `context`, longest first (at most `order - 1` of them).
+    fn suffixes(&self, context: &[u32], out: &mut Vec<Ctx>) -> Result<()> {
+        out.clear();
+        let max = self.order() - 1;
+        let ctx = &context[context.len().saturating_sub(max)..];
+        for &t in ctx {
+            self.check_token(t)?;
+        }
+        for len in (1..=ctx.len()).rev() {
+            if let Some(c) = self.locate(&ctx[ctx.len() - len..])? {
+                out.push(c);
+            }
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn ratio(&self, child: u64, ctx: &Ctx) -> Result<f64> {
+        if child > ctx.count {
+            return Err(self.corrupt(format!(
+                "order {} context {}: a child count {child} exceeds the context count {}",
+                ctx.order, ctx.id, ctx.count
+            )));
+        }
+        Ok(child as f64 / ctx.count as f64)
+    }
+
+    /// Raw count of an n-gram (`tokens.len() <= order`); the empty n-gram counts all tokens.
+    pub fn count(&self, tokens: &[u32]) -> Result<u64> {
+        if tokens.len() > self.order() {
+            return Err(NGramError::InvalidArgument(format!(
+                "count of a {}-gram asked of {}, an order-{} model",
+                tokens.len(),
+                self.path.display(),
+                self.order()
+            )));
+        }
+        for &t in tokens {
+            self.check_token(t)?;
+        }
+        let Some((&last, init)) = tokens.split_last() else {
+            return Ok(self.header.total_tokens);
+        };
+        if init.is_empty() {
+            return self.count_at(1, u64::from(last));
+        }
+        let Some(ctx) = self.locate(init)? else {
+            return Ok(0);
+        };
+        let toks = self.view(self.levels[init.len()].tokens);
+        match toks.find(ctx.lo, ctx.hi, u64::from(last)) {
+            Some(j) => self.count_at(tokens.len(), j),
+            None => Ok(0),
+        }
+    }
+
+    /// `P(c | context)` for every candidate, with the matched context length: the context is
+    /// the last `order - 1` tokens of `context` (fewer if shorter); the longest suffix `s` of
+    /// it such that `s + c` was seen gives `count(s + c) / count(s)`; if none, `p = 0`,
+    /// `matched = 0`. Computed in f64, returned as f32.
+    pub fn prob_many(
+        &self,
+        context: &[u32],
+        candidates: &[u32],
+        probs: &mut [f32],
+        matched: &mut [u8],
+    ) -> Result<()> {
+        if probs.len() != candidates.len() || matched.len() != candidates.len() {
+            return Err(NGramError::InvalidArgument(format!(
+                "prob_many: {} candidates but {} prob and {} matched slots",
+                candidates.len(),
+                probs.len(),
+                matched.len()
+            )));
+        }
+        for &c in candidates {
+            self.check_token(c)?;
+        }
+        let mut buf = [Ctx {
+            order: 0,
+            id: 0,
+            lo: 0,
+            hi: 0,
+            count: 0,
+        }; MAX_CTXS];
+        let max = self.order() - 1;
+        let ctx = &context[context.len().saturating_sub(max)..];
+        for &t in ctx {
+            self.check_token(t)?;
+        }
+        let mut k = 0;
+        for len in (1..=ctx.len()).rev() {
+            if let Some(c) = self.locate(&ctx[ctx.len() - len..])? {
+                buf[k] = c;
+                k += 1;
+            }
+        }
+        let ctxs = &buf[..k];
+        // The token column of each located context's children, looked up once.
+        let mut views = [Packed::trusted(&[], 0, 1); MAX_CTXS];
+        for (v, c) in views.iter_mut().zip(ctxs) {
+            *v = self.view(self.levels[c.order].tokens);
+        }
+        // Candidates go in blocks: first every search at the longest context, then the
+        // misses at the next one, so independent searches overlap in the CPU.
+        const BLOCK: usize = 64;
+        let mut at = [0u64; BLOCK];
+        let mut which = [0u8; BLOCK];
+        for (b, cands) in candidates.chunks(BLOCK).enumerate() {
+            let base = b * BLOCK;
+            let n = cands.len();
+            which[..n].fill(u8::MAX);
+            for (ci, (ctx, toks)) in ctxs.iter().zip(&views).enumerate() {
+                for (i, &c) in cands.iter().enumerate() {
+                    if which[i] != u8::MAX {
+                        continue;
+                    }
+                    let j = toks.lower_bound(ctx.lo, ctx.hi, u64::from(c));
+                    if j < ctx.hi && toks.get(j) == u64::from(c) {
+                        at[i] = j;
+                        which[i] = ci as u8;
+                    }
+                }
+            }
+            for i in 0..n {
+                let (p, m) = (&mut probs[base + i], &mut matched[base + i]);
+                if which[i] == u8::MAX {
+                    *p = 0.0;
+                    *m = 0;
+                } else {
+                    let ctx = &ctxs[which[i] as usize];
+                    let child = self.count_at(ctx.order + 1, at[i])?;
+                    *p = self.ratio(child, ctx)? as f32;
+                    *m = ctx.order as u8;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `P(candidate | context)` and the matched length (see [`Self::prob_many`]).
+    pub fn prob(&self, context: &[u32], candidate: u32) -> Result<(f32, u8)> {
+        let (mut p, mut m) = ([0f32], [0u8]);
+        self.prob_many(context, &[candidate], &mut p, &mut m)?;
+        Ok((p[0], m[0]))
+    }
+
+    /// The `k` most probable next tokens under the same backoff semantics as
+    /// [`Self::prob_many`], exactly: best probability first (compared in f64), ties by token
+    /// id ascending. Tokens with probability 0 are never returned, so fewer than `k` may come
+    /// back. Contexts with more than `top_list_len` children answer from their precomputed
+    /// list; when `k` exceeds it (or continuations seen after a longer context use up the
+    /// list), the context's children are partially sorted instead.
+    pub fn top_k(&self, context: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        let mut ctxs = Vec::new();
+        self.suffixes(context, &mut ctxs)?;
+        let mut found: Vec<(f64, u32)> = Vec::new();
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        for (ci, ctx) in ctxs.iter().enumerate() {
+            let longer = &ctxs[..ci];
+            let toks = self.view(self.levels[ctx.order].tokens);
+            // A child also seen after a longer suffix takes its probability from there.
+            let overridden = |t: u64| {
+                longer.iter().any(|l| {
+                    self.view(self.levels[l.order].tokens)
+                        .find(l.lo, l.hi, t)
+                        .is_some()
+                })
+            };
+            let n_kids = ctx.hi - ctx.lo;
+            let mut taken = 0usize;
+            // Whether the context's best children are known without looking at all of them.
+            let mut settled = false;
+            if n_kids > u64::from(self.header.top_list_len) {
+                let q = self.top_list_pos(ctx)?.ok_or_else(|| {
+                    self.corrupt(format!(
+                        "order {} context {} has {n_kids} children but no top list",
+                        ctx.order, ctx.id
+                    ))
+                })?;
+                let lists = self.view(self.levels[ctx.order - 1].top_lists.expect("lists"));
+                let l = u64::from(self.header.top_list_len);
+                let mut last_count = 0;
+                for e in q * l..(q + 1) * l {
+                    let rel = lists.get(e);
+                    if rel >= n_kids {
+                        return Err(self.corrupt(format!(
+                            "order {} context {}: top-list entry {rel} outside its {n_kids} children",
+                            ctx.order, ctx.id
+                        )));
+                    }
+                    let j = ctx.lo + rel;
+                    let c = self.count_at(ctx.order + 1, j)?;
+                    last_count = c;
+                    let t = toks.get(j);
+                    if overridden(t) {
+                        continue;
+                    }
+                    found.push((self.ratio(c, ctx)?, t as u32));
+                    taken += 1;
+                    if taken == k {
+                        settled = true;
+                        break;
+                    }
+                }
+                if !settled {
+                    // Every child left out of the list has a probability <= the list's last
+                    // one; if k answers already beat it strictly, none of them can enter.
+                    let bound = self.ratio(last_count, ctx)?;
+                    settled = found.iter().filter(|f| f.0 > bound).count() >= k;
+                }
+            }
+            if !settled {
+                // Sorted at query time: best k of every child by count (desc), token (asc).
+                found.truncate(found.len() - taken);
+                let mut kids: Vec<(u64, u32)> = Vec::with_capacity(n_kids as usize);
+                for j in ctx.lo..ctx.hi {
+                    let t = toks.get(j);
+                    if !longer.is_empty() && overridden(t) {
+                        continue;
+                    }
+                    kids.push((self.count_at(ctx.order + 1, j)?, t as u32));
+                }
+                let better = |a: &(u64, u32), b: &(u64, u32)| b.0.cmp(&a.0).then(a.1.cmp(&b.1));
+                if kids.len() > k {
+                    kids.select_nth_unstable_by(k - 1, better);
+                    kids.truncate(k);
+                }
+                for (c, t) in kids {
+                    found.push((self.ratio(c, ctx)?, t));
+                }
+            }
+        }
+        found.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.truncate(k);
+        Ok(found.into_iter().map(|(p, t)| (t, p as f32)).collect())
+    }
+
+    /// Position of `ctx` in its order's top-context list, if it has a list.
+    fn top_list_pos(&self, ctx: &Ctx) -> Result<Option<u64>> {
+        let lv = &self.levels[ctx.order - 1];
+        let Some(col) = lv.top_ctx else {
+            return Ok(None);
+        };
+        let ids = self.view(col);
+        let pos = ids.find(0, ids.len(), ctx.id);
+        if pos.is_none() {
+            return Err(self.corrupt(format!(
+                "order {} context {} has {} children but no top list",
+                ctx.order,
+                ctx.id,
+                ctx.hi - ctx.lo
+            )));
+        }
+        Ok(pos)
+    }
+
+    /// The `(key, count)` pairs of order `n`, ascending by key (keys as [`crate::key::pack`]);
+    /// order 1 yields only tokens with a non-zero count.
+    pub fn iter_order(&self, n: usize) -> impl Iterator<Item = Result<(u64, u64)>> + '_ {
+        OrderIter::new(self, n)
+    }
+
+    /// Full check: every section checksum, then every structural invariant (offsets
+    /// monotone and in range, children sorted and in the vocabulary, counts consistent, count
+    /// tables sorted, top lists exactly the best children). Reads the whole file.
+    pub fn verify(&self) -> Result<()> {
+        let h = &self.header;
+        for s in &h.sections {
+            let bytes = &self.map[s.offset as usize..(s.offset + s.length) as usize];
+            let sum = xxh3_64(bytes);
+            if sum != s.checksum {
+                return Err(self.corrupt(format!(
+                    "section {} of order {} fails its checksum (stored {:016x}, computed {sum:016x})",
+                    s.kind.name(),
+                    s.order,
+                    s.checksum
+                )));
+            }
+        }
+        let n_max = self.order();
+        let mut sum = 0u64;
+        let mut nonzero = 0u64;
+        for t in 0..u64::from(h.vocab_size) {
+            let c = self.count_at(1, t)?;
+            sum = sum.saturating_add(c);
+            nonzero += u64::from(c > 0);
+        }
+        if sum > h.total_tokens || nonzero != h.orders[0].ngrams {
+            return Err(self.corrupt(format!(
+                "unigram counts sum to {sum} over {nonzero} tokens; the header says at most {} over {}",
+                h.total_tokens, h.orders[0].ngrams
+            )));
+        }
+        for n in 2..=n_max {
+            let (off, len) = self.levels[n - 1].values;
+            let mut prev = 0u64;
+            for i in 0..len {
+                let at = off + i as usize * 8;
+                let v = u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8"));
+                if v <= prev || v < h.min_count {
+                    return Err(self.corrupt(format!(
+                        "order {n} count table entry {i} is {v}: not ascending above {prev} and >= min_count {}",
+                        h.min_count
+                    )));
+                }
+                prev = v;
+            }
+        }
+        for n in 1..n_max {
+            let entries = self.levels[n - 1].entries;
+            let toks = self.view(self.levels[n].tokens);
+            let offs = self.view(self.levels[n - 1].children.expect("children"));
+            if offs.get(0) != 0 || offs.get(entries) != self.levels[n].entries {
+                return Err(self.corrupt(format!(
+                    "order {n} child offsets span {}..{}, expected 0..{}",
+                    offs.get(0),
+                    offs.get(entries),
+                    self.levels[n].entries
+                )));
+            }
+            let mut n_lists = 0u64;
+            let mut kids: Vec<(u64, u64)> = Vec::new();
+            for i in 0..entries {
+                let (lo, hi) = self.children_of(n, i)?;
+                let pc = self.count_at(n, i)?;
+                if pc == 0 && lo != hi {
+                    return Err(
+                        self.corrupt(format!("order {n} entry {i} has count 0 but children"))
+                    );
+                }
+                let mut prev: Option<u64> = None;
+                kids.clear();
+                for j in lo..hi {
+                    let t = toks.get(j);
+                    if t >= u64::from(h.vocab_size) || prev.is_some_and(|p| t <= p) {
+                        return Err(self.corrupt(format!(
+                            "order {} entry {j}: token {t} out of the vocabulary or out of order",
+                            n + 1
+                        )));
+                    }
+                    prev = Some(t);
+                    let c = self.count_at(n + 1, j)?;
+                    if c > pc {
+                        return Err(self.corrupt(format!(
+                            "order {} entry {j}: count {c} above its prefix's {pc}",
+                            n + 1
+                        )));
+                    }
+                    kids.push((c, j - lo));
+                }
+                if hi - lo > u64::from(h.top_list_len) {
+                    let ctx = Ctx {
+                        order: n,
+                        id: i,
+                        lo,
+                        hi,
+                        count: pc,
+                    };
+                    let q = self.top_list_pos(&ctx)?.expect("checked");
+                    if q != n_lists {
+                        return Err(
+                            self.corrupt(format!("order {n} top contexts out of order at {i}"))
+                        );
+                    }
+                    n_lists += 1;
+                    let l = h.top_list_len as usize;
+                    kids.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+                    let lists = self.view(self.levels[n - 1].top_lists.expect("lists"));
+                    for (e, &(_, rel)) in kids[..l].iter().enumerate() {
+                        let got = lists.get(q * l as u64 + e as u64);
+                        if got != rel {
+                            return Err(self.corrupt(format!(
+                                "order {n} context {i}: top-list entry {e} is {got}, expected {rel}"
+                            )));
+                        }
+                    }
+                }
+            }
+            if n_lists != h.orders[n - 1].top_contexts {
+                return Err(self.corrupt(format!(
+                    "order {n}: {} top lists stored, {n_lists} contexts need one",
+                    h.orders[n - 1].top_contexts
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Walks order `n` in key order, tracking each entry's chain of parents.
+struct OrderIter<'m> {
+    m: &'m NGramModel,
+    n: usize,
+    /// Next entry of order n.
+    next: u64,
+    /// Current parent index at orders 1..n-1 (index 0 = order 1).
+    chain: Vec<u64>,
+    /// End of the current parent's child range, per order 1..n-1.
+    ends: Vec<u64>,
+    started: bool,
+    error: Option<NGramError>,
+    done: bool,
+}
+
+impl<'m> OrderIter<'m> {
+    fn new(m: &'m NGramModel, n: usize) -> Self {
+        let error = (n == 0 || n > m.order()).then(|| {
+            NGramError::InvalidArgument(format!(
+                "order {n} asked of {}, an order-{} model",
+                m.path.display(),
+                m.order()
+            ))
+        });
+        OrderIter {
+            m,
+            n,
+            next: 0,
+            chain: vec![0; n.saturating_sub(1)],
+            ends: vec![0; n.saturating_sub(1)],
+            started: false,
+            error,
+            done: false,
+        }
+    }
+
+    /// Moves the parent at order `d` (1-based) forward until its children include `child`
+    /// (an entry of order d+1), keeping the parents below it consistent.
+    fn seek(&mut self, d: usize, child: u64) -> Result<()> {
+        let entries = self.m.levels[d - 1].entries;
+        while self.ends[d - 1] <= child {
+            let i = self.chain[d - 1] + 1;
+            if i >= entries {
+                return Err(self.m.corrupt(format!(
+                    "order {} entry {child} has no parent in order {d}",
+                    d + 1
+                )));
+            }
+            let (_, hi) = self.m.children_of(d, i)?;
+            self.chain[d - 1] = i;
+            self.ends[d - 1] = hi;
+            if d > 1 {
+                self.seek(d - 1, i)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Iterator for OrderIter<'_> {
+    type Item = Result<(u64, u64)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        if let Some(e) = self.error.take() {
+            self.done = true;
+            return Some(Err(e));
+        }
+        let m = self.m;
+        let n = self.n;
+        let result = (|| -> Result<Option<(u64, u64)>> {
+            if n == 1 {
+                while self.next < u64::from(m.vocab_size()) {
+                    let t = self.next;
+                    self.next += 1;
+                    let c = m.count_at(1, t)?;
+                    if c > 0 {
+                        return Ok(Some((t, c)));
+                    }
+                }
+                return Ok(None);
+            }
+            let i = self.next;
+            if i >= m.levels[n - 1].entries {
+                return Ok(None);
+            }
+            if !self.started {
+                // Every parent on its first entry, then made consistent from order 1 up.
+                for d in 1..n {
+                    let (_, hi) = m.children_of(d, 0)?;
+                    self.chain[d - 1] = 0;
+                    self.ends[d - 1] = hi;
+                }
+                for d in 1..n {
+                    self.seek(d, 0)?;
+                }
+                self.started = true;
+            }
+            self.seek(n - 1, i)?;
+            self.next += 1;
+            let bits = m.header.token_bits;
+            let mut key = self.chain[0];
+            for d in 2..n {
+                key = (key << bits) | m.view(m.levels[d - 1].tokens).get(self.chain[d - 1]);
+            }
+            key = (key << bits) | m.view(m.levels[n - 1].tokens).get(i);
+            Ok(Some((key, m.count_at(n, i)?)))
+        })();
+        match result {
+            Ok(Some(v)) => Some(Ok(v)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{count_corpus, Counts};
+    use proptest::prelude::*;
+
+    fn corpus() -> impl Strategy<Value = (Vec<Vec<u32>>, u32)> {
+        (2u32..24).prop_flat_map(|vocab| {
+            (
+                prop::collection::vec(prop::collection::vec(0..vocab - 1, 0..40), 0..8),
+                Just(vocab),
+            )
+        })
+    }
+
+    fn check_against(m: &NGramModel, c: &Counts, contexts: &[Vec<u32>]) {
+        assert_eq!(m.count(&[]).unwrap(), c.total);
+        for (g, &n) in &c.grams {
+            assert_eq!(m.count(g).unwrap(), n, "count of {g:?}");
+        }
+        let cands: Vec<u32> = (0..c.vocab).collect();
+        let mut probs = vec![0f32; cands.len()];
+        let mut matched = vec![0u8; cands.len()];
+        for ctx in contexts {
+            m.prob_many(ctx, &cands, &mut probs, &mut matched).unwrap();
+            for &x in &cands {
+                let (p, k) = c.prob(ctx, x);
+                assert_eq!(
+                    (probs[x as usize], matched[x as usize]),
+                    (p as f32, k),
+                    "P({x} | {ctx:?})"
+                );
+                if ctx.len() < c.order {
+                    let mut g = ctx.clone();
+                    g.push(x);
+                    assert_eq!(m.count(&g).unwrap(), c.count(&g), "count of {g:?}");
+                }
+            }
+            for k in [1usize, 2, 5, c.vocab as usize + 1] {
+                let got = m.top_k(ctx, k).unwrap();
+                let want: Vec<(u32, f32)> = c
+                    .top_k(ctx, k)
+                    .into_iter()
+                    .map(|(t, p)| (t, p as f32))
+                    .collect();
+                assert_eq!(got, want, "top {k} after {ctx:?}");
+            }
+        }
+        for n in 1..=c.order {
+            let got: Vec<(u64, u64)> = m.iter_order(n).collect::<Result<_>>().unwrap();
+            let want = if n == 1 {
+                c.uni
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &x)| x > 0)
+                    .map(|(t, &x)| (t as u64, x))
+                    .collect()
+            } else {
+                c.stream(n)
+            };
+            assert_eq!(got, want, "order {n} iteration");
+        }
+    }
+
+    /// Contexts worth asking: every seen (order-1)-gram and shorter, plus unseen ones.
+    fn contexts_of(c: &Counts) -> Vec<Vec<u32>> {
+        let mut v: Vec<Vec<u32>> = c
+            .grams
+            .keys()
+            .filter(|g| g.len() < c.order)
+            .cloned()
+            .collect();
+        v.push(vec![]);
+        v.push(vec![c.vocab - 1; c.order + 1]);
+        v.push((0..c.order as u32 + 2).map(|i| i % c.vocab).collect());
+        v
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn round_trip_matches_brute_force(
+            (docs, vocab) in corpus(),
+            order in 1usize..=4,
+            min_count in 1u64..=3,
+            top in 1u32..=4,
+            eos in any::<bool>(),
+        ) {
+            let eos = eos.then_some(vocab - 1);
+            let c = count_corpus(&docs, order, vocab, eos, min_count);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.ngram");
+            let report = c.write(&path, top).unwrap();
+            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            prop_assert_eq!(report.bytes, m.bytes());
+            prop_assert_eq!(m.order(), order);
+            prop_assert_eq!(m.eos_id(), eos);
+            prop_assert_eq!(m.meta(), c.meta());
+            let per = m.ngrams_per_order();
+            for n in 1..=order {
+                let want = if n == 1 { c.uni.iter().filter(|&&x| x > 0).count() } else { c.grams.keys().filter(|g| g.len() == n).count() };
+                prop_assert_eq!(per[n - 1], want as u64);
+            }
+            check_against(&m, &c, &contexts_of(&c));
+        }
+    }
+
+    fn small_model(dir: &Path) -> (PathBuf, Counts) {
+        let docs = vec![
+            vec![1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 6, 1],
+            vec![2, 3, 1, 2, 3, 7, 7, 7, 1, 5],
+            vec![1, 2, 6, 6, 1, 2, 3],
+        ];
+        let c = count_corpus(&docs, 3, 9, Some(8), 1);
+        let path = dir.join("small.ngram");
+        c.write(&path, 2).unwrap();
+        (path, c)
+    }
+
+    /// Every query kind over every context and candidate; must not panic whatever the bytes.
+    fn exercise(m: &NGramModel) {
+        let v = m.vocab_size();
+        let mut p = vec![0f32; v as usize];
+        let mut k = vec![0u8; v as usize];
+        let cands: Vec<u32> = (0..v).collect();
+        for a in 0..v {
+            for b in 0..v {
+                let _ = m.prob_many(&[a, b], &cands, &mut p, &mut k);
+                let _ = m.top_k(&[a, b], 3);
+                let _ = m.top_k(&[a, b], 50);
+                let _ = m.count(&[a, b]);
+            }
+        }
+        for n in 1..=m.order() {
+            for _ in m.iter_order(n).take(10_000) {}
+        }
+        let _ = m.verify();
+    }
+
+    #[test]
+    fn every_truncation_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let bytes = std::fs::read(&path).unwrap();
+        let cut = dir.path().join("cut.ngram");
+        for len in 0..bytes.len() {
+            std::fs::write(&cut, &bytes[..len]).unwrap();
+            let err = NGramModel::open(&cut).expect_err(&format!("truncated to {len}"));
+            assert!(matches!(err, NGramError::Corrupt { .. }), "{len}: {err}");
+            assert!(err.to_string().contains("cut.ngram"), "{err}");
+        }
+    }
+
+    #[test]
+    fn header_bytes_are_checked_and_section_bytes_verified() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, c) = small_model(dir.path());
+        let bytes = std::fs::read(&path).unwrap();
+        let hl = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+        let bad = dir.path().join("bad.ngram");
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x10;
+            std::fs::write(&bad, &b).unwrap();
+            if i < hl {
+                let err = NGramModel::open(&bad).expect_err(&format!("header byte {i}"));
+                let expect = match i {
+                    0..=7 => matches!(err, NGramError::NotAModel { .. }),
+                    8..=11 => matches!(err, NGramError::UnsupportedVersion { .. }),
+                    _ => matches!(err, NGramError::Corrupt { .. }),
+                };
+                assert!(expect, "byte {i}: {err}");
+            } else {
+                // Open's O(1) cross-checks may catch it; otherwise verify must.
+                let m = match NGramModel::open(&bad) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        assert!(matches!(e, NGramError::Corrupt { .. }), "byte {i}: {e}");
+                        continue;
+                    }
+                };
+                let err = m.verify().expect_err(&format!("section byte {i}"));
+                assert!(err.to_string().contains("checksum"), "{err}");
+                let opts = OpenOptions {
+                    verify: true,
+                    ..Default::default()
+                };
+                assert!(NGramModel::open_with(&bad, &opts).is_err());
+                exercise(&m);
+            }
+        }
+        // The pristine file answers correctly after all that.
+        let m = NGramModel::open(&path).unwrap();
+        m.verify().unwrap();
+        check_against(&m, &c, &contexts_of(&c));
+    }
+
+    /// Rewrites a header field with a valid checksum, as a buggy writer would.
+    fn patch_header(path: &Path, f: impl FnOnce(&mut Header)) {
+        let mut bytes = std::fs::read(path).unwrap();
+        let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
+        f(&mut h);
+        let hb = h.to_bytes();
+        bytes[..hb.len()].copy_from_slice(&hb);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn inconsistent_headers_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let file_len = std::fs::metadata(&path).unwrap().len();
+        type Patch = Box<dyn Fn(&mut Header)>;
+        let cases: Vec<(&str, Patch)> = vec![
+            (
+                "outside",
+                Box::new(move |h| h.sections[2].offset = file_len),
+            ),
+            ("outside", Box::new(|h| h.sections[0].offset = 8)),
+            ("imply", Box::new(|h| h.sections[1].length += 8)),
+            ("child offsets span", Box::new(|h| h.orders[2].ngrams += 1)),
+            ("width", Box::new(|h| h.orders[1].child_width += 1)),
+            ("token width", Box::new(|h| h.token_bits += 1)),
+            ("eos", Box::new(|h| h.eos = 100)),
+            ("expected", Box::new(|h| h.sections.swap(0, 1))),
+        ];
+        for (want, f) in cases {
+            let p = dir.path().join("x.ngram");
+            std::fs::copy(&path, &p).unwrap();
+            patch_header(&p, f);
+            let err = NGramModel::open(&p).expect_err(want);
+            assert!(
+                matches!(err, NGramError::Corrupt { .. }) && err.to_string().contains(want),
+                "{want}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn corrupt_offsets_found_at_query_time_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let mut bytes = std::fs::read(&path).unwrap();
+        let m = NGramModel::open(&path).unwrap();
+        // Point token 1's children past the end of order 2 (checksums left stale on purpose).
+        let s = *m.header.section(SectionKind::ChildOffsets, 1).unwrap();
+        let w = m.header.orders[0].child_width;
+        drop(m);
+        let bit = 2 * w as usize;
+        for b in 0..w as usize {
+            let at = s.offset as usize * 8 + bit + b;
+            bytes[at / 8] |= 1 << (at % 8);
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let m = NGramModel::open(&path).unwrap();
+        let err = m.prob(&[1, 2], 3).unwrap_err();
+        assert!(
+            matches!(err, NGramError::Corrupt { .. }) && err.to_string().contains("children"),
+            "{err}"
+        );
+        assert!(m.verify().is_err());
+        exercise(&m);
+    }
+
+    #[test]
+    fn foreign_and_empty_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("foreign.bin");
+        std::fs::write(
+            &p,
+            b"PK\x03\x04 this is a zip file, not a model at all, really......",
+        )
+        .unwrap();
+        let err = NGramModel::open(&p).unwrap_err();
+        assert!(
+            matches!(err, NGramError::NotAModel { .. }) && err.to_string().contains("foreign.bin"),
+            "{err}"
+        );
+        std::fs::write(&p, b"").unwrap();
+        assert!(matches!(
+            NGramModel::open(&p).unwrap_err(),
+            NGramError::Corrupt { .. }
+        ));
+        let err = NGramModel::open(&dir.path().join("missing.ngram")).unwrap_err();
+        assert!(matches!(err, NGramError::Io { .. }) && err.to_string().contains("missing.ngram"));
+    }
+
+    #[test]
+    fn fingerprint_and_vocabulary_checks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let m = NGramModel::open(&path).unwrap();
+        m.check_fingerprint(&[7u8; 32]).unwrap();
+        let err = m.check_fingerprint(&[8u8; 32]).unwrap_err();
+        assert!(
+            matches!(err, NGramError::TokenizerMismatch { .. }) && err.to_string().contains("0808"),
+            "{err}"
+        );
+        let oov = |r: Result<()>| {
+            matches!(
+                r,
+                Err(NGramError::TokenOutOfVocab {
+                    token: 9,
+                    vocab_size: 9
+                })
+            )
+        };
+        let (mut p, mut k) = ([0f32; 2], [0u8; 2]);
+        assert!(oov(m.prob_many(&[1, 9], &[1, 2], &mut p, &mut k)));
+        assert!(oov(m.prob_many(&[1, 2], &[1, 9], &mut p, &mut k)));
+        assert!(oov(m.top_k(&[9], 3).map(|_| ())));
+        assert!(oov(m.count(&[9]).map(|_| ())));
+        // Only the last order-1 context tokens are used (and checked).
+        assert!(m.prob_many(&[9, 1, 2], &[1, 2], &mut p, &mut k).is_ok());
+        assert!(matches!(
+            m.count(&[1, 2, 3, 1]),
+            Err(NGramError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            m.prob_many(&[1], &[1, 2], &mut p[..1], &mut k),
+            Err(NGramError::InvalidArgument(_))
+        ));
+        assert!(m.iter_order(4).next().unwrap().is_err());
+    }
+
+    #[test]
+    fn model_is_send_and_sync_and_opens_with_options() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<NGramModel>();
+        let dir = tempfile::tempdir().unwrap();
+        let (path, c) = small_model(dir.path());
+        let opts = OpenOptions {
+            verify: true,
+            populate: true,
+            lock: false,
+            huge_pages: true,
+        };
+        let m = NGramModel::open_with(&path, &opts).unwrap();
+        check_against(&m, &c, &contexts_of(&c));
+        let info = m.info();
+        assert_eq!(info.total_ngrams, info.ngrams_per_order.iter().sum::<u64>());
+        assert!(info.bytes_per_ngram > 0.0);
+        let json = serde_json::to_string(&info).unwrap();
+        assert!(json.contains("\"tokenizer_fingerprint\":\"0707"), "{json}");
+    }
+}

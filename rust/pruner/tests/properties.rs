@@ -1,0 +1,618 @@
+//! Property tests of every guarantee of the pruner, against a brute-force scorer and a slow
+//! reference implementation (tests/common).
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use common::{slow_prune, BruteScorer};
+use dart_pruner::{DraftRequest, DraftTree, NGramScorer, Pruner, PrunerConfig, PrunerError};
+use proptest::prelude::*;
+
+/// One random case: a scorer, a config and a request's arrays.
+#[derive(Debug, Clone)]
+struct Case {
+    order: usize,
+    vocab: u32,
+    eos: Option<u32>,
+    docs: Vec<Vec<u32>>,
+    context: Vec<u32>,
+    levels: usize,
+    k: usize,
+    ids: Vec<u32>,
+    probs: Vec<f32>,
+    config: PrunerConfig,
+    budget: Option<usize>,
+}
+
+/// Probabilities drawn from a small set so that ties are frequent, plus exact 0 and 1.
+fn prob_strategy() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        3 => prop::sample::select(vec![0.0f32, 1.0, 0.5, 0.25, 0.125, 0.1, 0.05]),
+        2 => 0.0f32..=1.0,
+    ]
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    (2usize..=4, 3u32..=12, any::<bool>(), 1usize..=5, 1usize..=6)
+        .prop_flat_map(|(order, vocab, has_eos, levels, kmax)| {
+            let k = kmax.min(vocab as usize);
+            let eos = has_eos.then_some(vocab - 1);
+            let docs = prop::collection::vec(prop::collection::vec(0..vocab, 1..30), 1..6);
+            let context = prop::collection::vec(0..vocab, 1..5);
+            // Each row: k distinct ids (a shuffled prefix of the vocabulary).
+            let rows = prop::collection::vec(
+                Just((0..vocab).collect::<Vec<u32>>()).prop_shuffle(),
+                levels,
+            );
+            let probs = prop::collection::vec(prob_strategy(), levels * k);
+            let config = (
+                1usize..=6,
+                1usize..=30,
+                prop::sample::select(vec![0.0f64, 0.7, 1.3]),
+                prop::sample::select(vec![0.9f64, 1.0, 0.5]),
+                prop::sample::select(vec![0.0f64, 0.5, 2.0]),
+                any::<bool>(),
+                prop::sample::select(vec![1e-10f64, 1e-3]),
+            )
+                .prop_map(|(beam, max_nodes, le, ld, nw, at0, eps)| PrunerConfig {
+                    beam_width: beam,
+                    max_nodes,
+                    level_exponent: le,
+                    logit_decay: ld,
+                    ngram_weight: nw,
+                    ngram_at_level0: at0,
+                    eps,
+                    ..Default::default()
+                });
+            let budget = prop::option::of(1usize..=40);
+            (
+                Just((order, vocab, eos, levels, k)),
+                docs,
+                context,
+                rows,
+                probs,
+                config,
+                budget,
+            )
+        })
+        .prop_map(
+            |((order, vocab, eos, levels, k), docs, context, rows, probs, config, budget)| {
+                let ids = rows.iter().flat_map(|r| r[..k].to_vec()).collect();
+                Case {
+                    order,
+                    vocab,
+                    eos,
+                    docs,
+                    context,
+                    levels,
+                    k,
+                    ids,
+                    probs,
+                    config,
+                    budget,
+                }
+            },
+        )
+}
+
+impl Case {
+    fn scorer(&self) -> BruteScorer {
+        // Documents end in EOS, as the builder appends it.
+        let docs: Vec<Vec<u32>> = self
+            .docs
+            .iter()
+            .map(|d| {
+                let mut d = d.clone();
+                d.extend(self.eos);
+                d
+            })
+            .collect();
+        BruteScorer::from_documents(self.order, self.vocab, self.eos, &docs)
+    }
+
+    fn request(&self) -> DraftRequest<'_> {
+        DraftRequest {
+            context: &self.context,
+            topk_ids: &self.ids,
+            topk_probs: &self.probs,
+            levels: self.levels,
+            k: self.k,
+            budget: self.budget,
+        }
+    }
+}
+
+/// Every structural guarantee of a tree, independent of how it was computed.
+fn check_structure(tree: &DraftTree, root: u32, budget: usize) {
+    let n = tree.len();
+    assert!(
+        n >= 1 && n - 1 <= budget,
+        "{} nodes for budget {budget}",
+        n - 1
+    );
+    assert_eq!(tree.tokens[0], i64::from(root));
+    assert_eq!(
+        (tree.parents[0], tree.depths[0], tree.scores[0]),
+        (-1, 0, 0.0)
+    );
+    let mut children: Vec<HashSet<i64>> = vec![HashSet::new(); n];
+    for i in 1..n {
+        let p = tree.parents[i];
+        assert!(
+            p >= 0 && (p as usize) < i,
+            "parent {p} of node {i} must precede it"
+        );
+        let p = p as usize;
+        assert_eq!(tree.depths[i], tree.depths[p] + 1, "depth of node {i}");
+        assert!(
+            tree.scores[i] <= tree.scores[p],
+            "node {i} outscores its parent"
+        );
+        assert!(
+            children[p].insert(tree.tokens[i]),
+            "duplicate sibling token {}",
+            tree.tokens[i]
+        );
+        // Output order: depth asc, then score desc, then path asc.
+        let (a, b) = (i - 1, i);
+        if a > 0 {
+            let ord = tree.depths[a]
+                .cmp(&tree.depths[b])
+                .then(tree.scores[b].partial_cmp(&tree.scores[a]).unwrap())
+                .then(tree.path(a).cmp(&tree.path(b)));
+            assert_eq!(
+                ord,
+                std::cmp::Ordering::Less,
+                "nodes {a} and {b} out of order"
+            );
+        }
+    }
+    // Mask: exactly self and ancestors.
+    for i in 0..n {
+        let mut anc = HashSet::new();
+        let mut x = i as i64;
+        while x >= 0 {
+            anc.insert(x as usize);
+            x = tree.parents[x as usize];
+        }
+        for j in 0..n {
+            assert_eq!(tree.mask(i, j), anc.contains(&j), "mask[{i}][{j}]");
+        }
+    }
+    // Retrieve rows: every leaf once, in index order, root to leaf, then -1 padding.
+    let leaves: Vec<usize> = (0..n).filter(|&i| children[i].is_empty()).collect();
+    assert_eq!(tree.num_leaves(), leaves.len());
+    let max_depth = *tree.depths.iter().max().unwrap() as usize;
+    assert_eq!(tree.retrieve_width(), max_depth + 1);
+    for (r, &leaf) in leaves.iter().enumerate() {
+        let row = tree.retrieve_row(r);
+        let d = tree.depths[leaf] as usize;
+        assert_eq!(row[d], leaf as i64);
+        assert_eq!(row[0], 0);
+        for c in 1..=d {
+            assert_eq!(tree.parents[row[c] as usize], row[c - 1]);
+        }
+        assert!(row[d + 1..].iter().all(|&x| x == -1));
+    }
+}
+
+/// The slow reference's output as a DraftTree-comparable form.
+fn assert_matches_slow(tree: &DraftTree, slow: &common::SlowTree) {
+    assert_eq!(tree.len() - 1, slow.len(), "node count");
+    for (i, (path, score)) in slow.iter().enumerate() {
+        let got: Vec<u32> = tree.path(i + 1).iter().map(|&t| t as u32).collect();
+        assert_eq!(&got, path, "path of node {}", i + 1);
+        assert_eq!(
+            tree.scores[i + 1].to_bits(),
+            score.to_bits(),
+            "score of node {}: {} vs {}",
+            i + 1,
+            tree.scores[i + 1],
+            score
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn agrees_with_slow_reference_and_keeps_every_guarantee(case in case_strategy()) {
+        let scorer = case.scorer();
+        let slow = slow_prune(&scorer, &case.config, &case.request());
+        let pruner = Pruner::new(&scorer, case.config.clone()).unwrap();
+        let tree = pruner.prune(&case.request()).unwrap();
+        let budget = case.budget.unwrap_or(case.config.max_nodes);
+        check_structure(&tree, *case.context.last().unwrap(), budget);
+        assert_matches_slow(&tree, &slow);
+        // The tree holds min(budget, every scored path).
+        let mut paths = 0;
+        let mut beam = 1;
+        for _ in 0..case.levels {
+            paths += beam * case.k;
+            beam = (beam * case.k).min(case.config.beam_width);
+        }
+        prop_assert_eq!(tree.len() - 1, budget.min(paths));
+        // Deterministic, and independent of the order of candidates within a row.
+        prop_assert_eq!(&pruner.prune(&case.request()).unwrap(), &tree);
+        let mut shuffled = case.clone();
+        for l in 0..case.levels {
+            let row: Vec<(u32, f32)> = (0..case.k).rev().map(|j| (case.ids[l * case.k + j], case.probs[l * case.k + j])).collect();
+            for (j, (t, p)) in row.into_iter().enumerate() {
+                shuffled.ids[l * case.k + j] = t;
+                shuffled.probs[l * case.k + j] = p;
+            }
+        }
+        prop_assert_eq!(&pruner.prune(&shuffled.request()).unwrap(), &tree);
+    }
+
+    #[test]
+    fn real_model_gives_the_brute_force_tree(case in case_strategy()) {
+        // The mmap'd model answers exactly as the brute-force counts, so the trees agree.
+        let scorer = case.scorer();
+        let dir = tempfile::tempdir().unwrap();
+        let model = Arc::new(common::write_real_model(&scorer, case.docs.len() as u64, &dir.path().join("m.ngram")));
+        prop_assert_eq!(model.eos_id(), scorer.eos);
+        let real = Pruner::new(model, case.config.clone()).unwrap();
+        let brute = Pruner::new(&scorer, case.config.clone()).unwrap();
+        prop_assert_eq!(real.prune(&case.request()).unwrap(), brute.prune(&case.request()).unwrap());
+    }
+
+    #[test]
+    fn batch_equals_one_by_one(cases in prop::collection::vec(case_strategy(), 1..6)) {
+        // One scorer/config for the batch: take the first case's, and keep the others' arrays
+        // only where they fit its vocabulary.
+        let scorer = cases[0].scorer();
+        let pruner = Pruner::new(&scorer, cases[0].config.clone()).unwrap();
+        let reqs: Vec<DraftRequest<'_>> = cases.iter().map(|c| c.request()).collect();
+        let batch = pruner.prune_batch(&reqs);
+        prop_assert_eq!(batch.len(), reqs.len());
+        for (r, got) in reqs.iter().zip(batch) {
+            match (pruner.prune(r), got) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
+                (a, b) => prop_assert!(false, "prune {:?} vs batch {:?}", a, b),
+            }
+        }
+    }
+}
+
+fn tiny_scorer() -> BruteScorer {
+    BruteScorer::from_documents(3, 10, Some(9), &[vec![1, 2, 3, 4, 9], vec![1, 2, 5, 9]])
+}
+
+fn err_of(scorer: &BruteScorer, config: PrunerConfig, req: DraftRequest<'_>) -> String {
+    let e = Pruner::new(scorer, config)
+        .unwrap()
+        .prune(&req)
+        .unwrap_err();
+    e.to_string()
+}
+
+#[test]
+fn hand_computed_tree() {
+    // Two levels, k = 2, beam 1: level 0 keeps token 2 (p 0.7); level 1 extends only it.
+    let scorer = tiny_scorer();
+    let config = PrunerConfig {
+        beam_width: 1,
+        max_nodes: 3,
+        ..Default::default()
+    };
+    let pruner = Pruner::new(&scorer, config).unwrap();
+    let tree = pruner
+        .prune(&DraftRequest {
+            context: &[1],
+            topk_ids: &[2, 7, 5, 3],
+            topk_probs: &[0.7, 0.3, 0.3, 0.7],
+            levels: 2,
+            k: 2,
+            budget: None,
+        })
+        .unwrap();
+    let ln = |p: f32| (f64::from(p) + 1e-10).ln();
+    let w1 = 2f64.powf(-0.7);
+    // After [1, 2] the corpus has 1 2 3 and 1 2 5 once each: P(3 | 1 2) = P(5 | 1 2) = 1/2.
+    let s2 = ln(0.7);
+    let s7 = ln(0.3);
+    let s23 = s2 + w1 * (0.9 * ln(0.7) + 0.5 * ln(0.5));
+    let s25 = s2 + w1 * (0.9 * ln(0.3) + 0.5 * ln(0.5));
+    // The best 3 of the 4 scored paths: 2 > 2-3 > 7 > 2-5.
+    assert!(s2 > s23 && s23 > s7 && s7 > s25);
+    assert_eq!(tree.tokens, vec![1, 2, 7, 3]);
+    assert_eq!(tree.parents, vec![-1, 0, 0, 1]);
+    assert_eq!(tree.depths, vec![0, 1, 1, 2]);
+    assert_eq!(tree.scores, vec![0.0, s2, s7, s23]);
+    assert_eq!(tree.retrieve_indices, vec![0, 2, -1, 0, 1, 3]);
+}
+
+#[test]
+fn eos_paths_rank_last_in_the_beam_but_stay_in_the_pool() {
+    let scorer = tiny_scorer();
+    let config = PrunerConfig {
+        beam_width: 1,
+        ..Default::default()
+    };
+    let pruner = Pruner::new(&scorer, config).unwrap();
+    // EOS (9) is the most likely level-0 token, yet the beam extends 4.
+    let tree = pruner
+        .prune(&DraftRequest {
+            context: &[3],
+            topk_ids: &[9, 4, 1, 2],
+            topk_probs: &[0.9, 0.1, 0.5, 0.5],
+            levels: 2,
+            k: 2,
+            budget: None,
+        })
+        .unwrap();
+    assert_eq!(tree.tokens[1], 9, "EOS kept in the tree, best score");
+    for i in 1..tree.len() {
+        if tree.depths[i] == 2 {
+            assert_eq!(
+                tree.tokens[tree.parents[i] as usize], 4,
+                "only 4 was extended"
+            );
+        }
+    }
+    // With EOS handling off (a model without EOS, no eos_id), 9 is extended instead.
+    let no_eos = BruteScorer {
+        eos: None,
+        ..tiny_scorer()
+    };
+    let tree = Pruner::new(
+        &no_eos,
+        PrunerConfig {
+            beam_width: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .prune(&DraftRequest {
+        context: &[3],
+        topk_ids: &[9, 4, 1, 2],
+        topk_probs: &[0.9, 0.1, 0.5, 0.5],
+        levels: 2,
+        k: 2,
+        budget: None,
+    })
+    .unwrap();
+    assert!(tree
+        .depths
+        .iter()
+        .zip(&tree.parents)
+        .any(|(&d, &p)| d == 2 && tree.tokens[p as usize] == 9));
+}
+
+#[test]
+fn without_ngram_weight_no_lookup_is_made() {
+    struct Failing;
+    impl NGramScorer for Failing {
+        fn order(&self) -> usize {
+            3
+        }
+        fn vocab_size(&self) -> u32 {
+            10
+        }
+        fn eos_id(&self) -> Option<u32> {
+            None
+        }
+        fn prob_many(&self, _: &[u32], _: &[u32], _: &mut [f32]) -> Result<(), PrunerError> {
+            Err(PrunerError::Scorer("lookup made".into()))
+        }
+    }
+    let req = DraftRequest {
+        context: &[1, 2],
+        topk_ids: &[1, 2, 3, 4],
+        topk_probs: &[0.5; 4],
+        levels: 2,
+        k: 2,
+        budget: None,
+    };
+    let off = PrunerConfig {
+        ngram_weight: 0.0,
+        ..Default::default()
+    };
+    assert_eq!(
+        Pruner::new(Failing, off)
+            .unwrap()
+            .prune(&req)
+            .unwrap()
+            .len(),
+        7
+    );
+    // With the weight on, the scorer's error comes through.
+    let err = Pruner::new(Failing, PrunerConfig::default())
+        .unwrap()
+        .prune(&req)
+        .unwrap_err();
+    assert!(err.to_string().contains("lookup made"), "{err}");
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let s = tiny_scorer();
+    let d = PrunerConfig::default;
+    let ok_ids = [1u32, 2, 3, 4];
+    let ok_p = [0.5f32; 4];
+    let req =
+        |context: &'static [u32], ids: &'static [u32], probs: &'static [f32], levels, k, budget| {
+            DraftRequest {
+                context,
+                topk_ids: ids,
+                topk_probs: probs,
+                levels,
+                k,
+                budget,
+            }
+        };
+    let _ = (ok_ids, ok_p);
+    let cases: Vec<(DraftRequest<'static>, &str)> = vec![
+        (
+            req(&[], &[1, 2, 3, 4], &[0.5; 4], 2, 2, None),
+            "context is empty",
+        ),
+        (
+            req(&[1], &[1, 2, 3], &[0.5; 4], 2, 2, None),
+            "topk_ids has 3 elements",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 4], &[0.5; 3], 2, 2, None),
+            "topk_probs 3",
+        ),
+        (req(&[1], &[], &[], 0, 2, None), "at least one level"),
+        (
+            req(&[1], &[], &[], 2, 0, None),
+            "at least one level and one candidate",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 4], &[0.5; 4], 2, 2, Some(0)),
+            "budget = 0",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 10], &[0.5; 4], 2, 2, None),
+            "topk_ids[1][1] = 10 is outside the vocabulary",
+        ),
+        (
+            req(&[12, 1], &[1, 2, 3, 4], &[0.5; 4], 2, 2, None),
+            "context[0] = 12",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 3], &[0.5; 4], 2, 2, None),
+            "row 1 holds token 3 twice (columns 0 and 1)",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 4], &[0.5, 1.5, 0.5, 0.5], 2, 2, None),
+            "topk_probs[0][1] = 1.5",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 4], &[0.5, 0.5, -0.1, 0.5], 2, 2, None),
+            "topk_probs[1][0] = -0.1",
+        ),
+        (
+            req(&[1], &[1, 2, 3, 4], &[0.5, 0.5, 0.5, f32::NAN], 2, 2, None),
+            "topk_probs[1][1] = NaN",
+        ),
+    ];
+    for (r, expected) in cases {
+        let err = err_of(&s, d(), r);
+        assert!(
+            err.contains(expected),
+            "{err:?} should contain {expected:?}"
+        );
+    }
+    // Only the tail the n-gram model reads is checked: an old bad id is not an error.
+    assert!(Pruner::new(&s, d())
+        .unwrap()
+        .prune(&req(&[99, 1, 2], &[1, 2, 3, 4], &[0.5; 4], 2, 2, None))
+        .is_ok());
+    // Long rows take the sorting path of the duplicate check.
+    let big = BruteScorer::from_documents(2, 1000, None, &[vec![1, 2]]);
+    let mut ids: Vec<u32> = (0..100).collect();
+    ids[70] = 3;
+    let probs = vec![0.01f32; 100];
+    let e = Pruner::new(&big, d())
+        .unwrap()
+        .prune(&DraftRequest {
+            context: &[1],
+            topk_ids: &ids,
+            topk_probs: &probs,
+            levels: 1,
+            k: 100,
+            budget: None,
+        })
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("holds token 3 twice (columns 3 and 70)"),
+        "{e}"
+    );
+    // Config errors.
+    let e = Pruner::new(
+        &s,
+        PrunerConfig {
+            eos_id: Some(10),
+            ..d()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("eos_id = 10"), "{e}");
+    let e = Pruner::new(
+        &s,
+        PrunerConfig {
+            beam_width: 0,
+            ..d()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("beam_width = 0"), "{e}");
+    // Weights that overflow at some level are an error, not a NaN tree.
+    let cfg = PrunerConfig {
+        level_exponent: -2000.0,
+        ..d()
+    };
+    let e = Pruner::new(&s, cfg)
+        .unwrap()
+        .prune(&req(&[1], &[1, 2, 3, 4], &[0.5; 4], 2, 2, None))
+        .unwrap_err();
+    assert!(e.to_string().contains("level 1"), "{e}");
+    let cfg = PrunerConfig {
+        level_exponent: 2000.0,
+        logit_decay: 1e308,
+        ..d()
+    };
+    let e = Pruner::new(&s, cfg)
+        .unwrap()
+        .prune(&req(&[1], &[1, 2, 3, 4], &[0.0; 4], 2, 2, None))
+        .unwrap_err();
+    assert!(e.to_string().contains("not a number"), "{e}");
+}
+
+#[test]
+fn probability_one_never_puts_a_child_above_its_parent() {
+    // p = 1 and p_ngram = 1 make ln(1 + eps) > 0: the clamp keeps the child at its parent's
+    // score and the tie goes to the parent, so a budget of 1 keeps the parent.
+    let s = BruteScorer::from_documents(3, 10, None, &[vec![1, 2, 3]]);
+    let p = Pruner::new(
+        &s,
+        PrunerConfig {
+            eps: 1e-3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let tree = p
+        .prune(&DraftRequest {
+            context: &[1],
+            topk_ids: &[2, 3],
+            topk_probs: &[1.0, 1.0],
+            levels: 2,
+            k: 1,
+            budget: Some(1),
+        })
+        .unwrap();
+    assert_eq!(tree.tokens, vec![1, 2]);
+    let tree = p
+        .prune(&DraftRequest {
+            context: &[1],
+            topk_ids: &[2, 3],
+            topk_probs: &[1.0, 1.0],
+            levels: 2,
+            k: 1,
+            budget: Some(2),
+        })
+        .unwrap();
+    assert_eq!(tree.tokens, vec![1, 2, 3]);
+    assert_eq!(tree.scores, vec![0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn pruner_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Pruner<Arc<BruteScorer>>>();
+    assert_send_sync::<Pruner<Arc<dyn NGramScorer>>>();
+    let dynamic: Arc<dyn NGramScorer> = Arc::new(tiny_scorer());
+    let p = Pruner::new(dynamic, PrunerConfig::default()).unwrap();
+    assert_eq!(p.context_tail_len(), 2);
+    assert_eq!(p.eos_id(), Some(9));
+}

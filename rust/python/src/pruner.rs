@@ -1,0 +1,369 @@
+//! Python binding of `dart_pruner::Pruner` over a mapped model (`dart_client._native.Pruner`).
+//!
+//! Ids arrive as int64 numpy arrays and probabilities as float32 (the wrapper in
+//! `dart_client/pruner.py` converts lists, tensors and other dtypes, and passes only the tail
+//! of the context the n-gram model reads). Each tree goes back as a tuple of numpy arrays that
+//! own the Rust buffers (no copy): `(tokens, parents, depths, attention_mask, retrieve_indices,
+//! scores)`. The work runs with the GIL released.
+
+use std::sync::Arc;
+
+use dart_ngram::NGramModel;
+use dart_pruner::{DraftRequest, DraftTree, Pruner, PrunerConfig};
+use numpy::ndarray::Array2;
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+type CoreError = dart_pruner::PrunerError;
+
+use crate::errors::{to_py, TokenOutOfVocabError};
+use crate::ngram::PyNGram;
+
+pyo3::create_exception!(
+    dart_client._native,
+    PrunerError,
+    pyo3::exceptions::PyValueError,
+    "Bad pruner input or configuration (a ValueError); out-of-vocabulary ids raise \
+     TokenOutOfVocabError and n-gram lookup failures the NGramError family."
+);
+
+/// A tree as Python receives it.
+type PyTree<'py> = (
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray2<bool>>,
+    Bound<'py, PyArray2<i64>>,
+    Bound<'py, PyArray1<f64>>,
+);
+
+fn to_py_err(err: CoreError) -> PyErr {
+    match err {
+        CoreError::NGram(inner) => to_py(inner),
+        e @ CoreError::TokenOutOfVocab { .. } => TokenOutOfVocabError::new_err(e.to_string()),
+        e => PrunerError::new_err(e.to_string()),
+    }
+}
+
+fn tree_to_py(py: Python<'_>, tree: DraftTree) -> PyResult<PyTree<'_>> {
+    let n = tree.len();
+    let (leaves, width) = (tree.num_leaves(), tree.retrieve_width());
+    let shape_err = |e: numpy::ndarray::ShapeError| PrunerError::new_err(e.to_string());
+    let mask = Array2::from_shape_vec((n, n), tree.attention_mask).map_err(shape_err)?;
+    let retrieve =
+        Array2::from_shape_vec((leaves, width), tree.retrieve_indices).map_err(shape_err)?;
+    Ok((
+        PyArray1::from_vec(py, tree.tokens),
+        PyArray1::from_vec(py, tree.parents),
+        PyArray1::from_vec(py, tree.depths),
+        mask.into_pyarray(py),
+        retrieve.into_pyarray(py),
+        PyArray1::from_vec(py, tree.scores),
+    ))
+}
+
+/// int64 ids -> u32, each `< vocab_size`; `name(i)` names the element in the error.
+fn ids_u32(v: &[i64], vocab_size: u32, name: impl Fn(usize) -> String) -> PyResult<Vec<u32>> {
+    v.iter()
+        .enumerate()
+        .map(|(i, &x)| match u32::try_from(x) {
+            Ok(t) if t < vocab_size => Ok(t),
+            _ => Err(TokenOutOfVocabError::new_err(format!(
+                "{} = {x} is outside the vocabulary (token ids must be < {vocab_size})",
+                name(i)
+            ))),
+        })
+        .collect()
+}
+
+fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
+    what: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| PrunerError::new_err(format!("{what} must be a C-contiguous array")))
+}
+
+fn non_negative(name: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| {
+        PrunerError::new_err(format!("{name} = {v}; expected a non-negative integer"))
+    })
+}
+
+/// The owned inputs of one request, converted from int64.
+struct Owned {
+    context: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+/// A pruner over a mapped n-gram model (see `dart_client.pruner.Pruner`).
+#[pyclass(name = "Pruner", module = "dart_client._native", frozen)]
+pub struct PyPruner {
+    inner: Pruner<Arc<NGramModel>>,
+}
+
+#[pymethods]
+impl PyPruner {
+    #[new]
+    #[pyo3(signature = (ngram, *, top_k, beam_width, max_nodes, level_exponent, logit_decay,
+                        ngram_weight, ngram_at_level0, eos_id, eps))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ngram: PyRef<'_, PyNGram>,
+        top_k: i64,
+        beam_width: i64,
+        max_nodes: i64,
+        level_exponent: f64,
+        logit_decay: f64,
+        ngram_weight: f64,
+        ngram_at_level0: bool,
+        eos_id: Option<i64>,
+        eps: f64,
+    ) -> PyResult<Self> {
+        let eos_id = match eos_id {
+            None => None,
+            Some(e) => Some(u32::try_from(e).map_err(|_| {
+                TokenOutOfVocabError::new_err(format!(
+                    "eos_id = {e} is not a valid token id (expected 0 <= id < vocabulary size)"
+                ))
+            })?),
+        };
+        let config = PrunerConfig {
+            top_k: non_negative("top_k", top_k)?,
+            beam_width: non_negative("beam_width", beam_width)?,
+            max_nodes: non_negative("max_nodes", max_nodes)?,
+            level_exponent,
+            logit_decay,
+            ngram_weight,
+            ngram_at_level0,
+            eos_id,
+            eps,
+        };
+        let inner = Pruner::new(ngram.model(), config).map_err(to_py_err)?;
+        Ok(PyPruner { inner })
+    }
+
+    /// How many trailing context tokens a request needs (the rest is never read).
+    #[getter]
+    fn context_tail_len(&self) -> usize {
+        self.inner.context_tail_len()
+    }
+
+    /// The EOS token whose paths rank last in the beam (configured, else the model's).
+    #[getter]
+    fn eos_id(&self) -> Option<u32> {
+        self.inner.eos_id()
+    }
+
+    /// `context` may be the tail of the caller's context: `context_offset` is the index of
+    /// its first token there (for error messages).
+    #[pyo3(signature = (context, topk_ids, topk_probs, budget=None, context_offset=0))]
+    fn prune<'py>(
+        &self,
+        py: Python<'py>,
+        context: PyReadonlyArray1<'py, i64>,
+        topk_ids: PyReadonlyArray2<'py, i64>,
+        topk_probs: PyReadonlyArray2<'py, f32>,
+        budget: Option<i64>,
+        context_offset: usize,
+    ) -> PyResult<PyTree<'py>> {
+        let (levels, k) = (topk_ids.shape()[0], topk_ids.shape()[1]);
+        if topk_probs.shape() != topk_ids.shape() {
+            return Err(PrunerError::new_err(format!(
+                "topk_ids has shape {:?} and topk_probs {:?}; expected the same (levels, k)",
+                topk_ids.shape(),
+                topk_probs.shape()
+            )));
+        }
+        let budget = budget.map(|b| non_negative("budget", b)).transpose()?;
+        let ctx = contiguous(&context, "context")?;
+        let ids = contiguous(&topk_ids, "topk_ids")?;
+        let probs = contiguous(&topk_probs, "topk_probs")?;
+        let vocab = self.inner.scorer().vocab_size();
+        let tree = py.detach(|| -> PyResult<DraftTree> {
+            let owned = Owned {
+                context: ids_u32(ctx, vocab, |i| format!("context[{}]", context_offset + i))?,
+                ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+            };
+            self.inner
+                .prune(&request(&owned, probs, levels, k, budget))
+                .map_err(to_py_err)
+        })?;
+        tree_to_py(py, tree)
+    }
+
+    /// Seconds taken by each of `repeats` prunes of one request, timed inside Rust with the
+    /// GIL released: the baseline the Python call's overhead is measured against
+    /// (`dart_client/bench/pruner_overhead.py`).
+    fn time_prune<'py>(
+        &self,
+        py: Python<'py>,
+        context: PyReadonlyArray1<'py, i64>,
+        topk_ids: PyReadonlyArray2<'py, i64>,
+        topk_probs: PyReadonlyArray2<'py, f32>,
+        repeats: usize,
+    ) -> PyResult<Bound<'py, PyArray1<f64>>> {
+        let (levels, k) = (topk_ids.shape()[0], topk_ids.shape()[1]);
+        let ctx = contiguous(&context, "context")?;
+        let ids = contiguous(&topk_ids, "topk_ids")?;
+        let probs = contiguous(&topk_probs, "topk_probs")?;
+        let vocab = self.inner.scorer().vocab_size();
+        let times = py.detach(|| -> PyResult<Vec<f64>> {
+            let owned = Owned {
+                context: ids_u32(ctx, vocab, |i| format!("context[{i}]"))?,
+                ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+            };
+            let req = request(&owned, probs, levels, k, None);
+            (0..repeats)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    let tree = self.inner.prune(&req).map_err(to_py_err)?;
+                    let t = start.elapsed().as_secs_f64();
+                    drop(tree);
+                    Ok(t)
+                })
+                .collect()
+        })?;
+        Ok(PyArray1::from_vec(py, times))
+    }
+
+    /// `context_offsets[b]`: as `context_offset` of `prune`, per request.
+    #[pyo3(signature = (contexts, topk_ids, topk_probs, budgets=None, context_offsets=None))]
+    fn prune_batch<'py>(
+        &self,
+        py: Python<'py>,
+        contexts: Vec<PyReadonlyArray1<'py, i64>>,
+        topk_ids: PyReadonlyArray3<'py, i64>,
+        topk_probs: PyReadonlyArray3<'py, f32>,
+        budgets: Option<Vec<Option<i64>>>,
+        context_offsets: Option<Vec<usize>>,
+    ) -> PyResult<Vec<PyTree<'py>>> {
+        let shape = topk_ids.shape();
+        let (batch, levels, k) = (shape[0], shape[1], shape[2]);
+        if topk_probs.shape() != shape {
+            return Err(PrunerError::new_err(format!(
+                "topk_ids has shape {shape:?} and topk_probs {:?}; expected the same \
+                 (batch, levels, k)",
+                topk_probs.shape()
+            )));
+        }
+        if contexts.len() != batch {
+            return Err(PrunerError::new_err(format!(
+                "{} contexts for a batch of {batch}; expected one context per request",
+                contexts.len()
+            )));
+        }
+        let budgets: Vec<Option<usize>> = match budgets {
+            None => vec![None; batch],
+            Some(b) if b.len() != batch => {
+                return Err(PrunerError::new_err(format!(
+                    "{} budgets for a batch of {batch}; expected one per request (or None)",
+                    b.len()
+                )))
+            }
+            Some(b) => b
+                .into_iter()
+                .enumerate()
+                .map(|(i, x)| x.map(|v| non_negative(&format!("budgets[{i}]"), v)).transpose())
+                .collect::<PyResult<_>>()?,
+        };
+        let ctxs: Vec<&[i64]> = contexts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| contiguous(c, &format!("contexts[{i}]")))
+            .collect::<PyResult<_>>()?;
+        let ids = contiguous(&topk_ids, "topk_ids")?;
+        let probs = contiguous(&topk_probs, "topk_probs")?;
+        let offsets = context_offsets.unwrap_or_else(|| vec![0; batch]);
+        if offsets.len() != batch {
+            return Err(PrunerError::new_err(format!(
+                "{} context offsets for a batch of {batch}",
+                offsets.len()
+            )));
+        }
+        let cells = levels * k;
+        let vocab = self.inner.scorer().vocab_size();
+        let trees = py.detach(|| -> PyResult<Vec<DraftTree>> {
+            let owned: Vec<Owned> = (0..batch)
+                .map(|b| {
+                    Ok(Owned {
+                        context: ids_u32(ctxs[b], vocab, |i| {
+                            format!("contexts[{b}][{}]", offsets[b] + i)
+                        })?,
+                        ids: ids_u32(&ids[b * cells..(b + 1) * cells], vocab, |i| {
+                            format!("topk_ids[{b}][{}][{}]", i / k, i % k)
+                        })?,
+                    })
+                })
+                .collect::<PyResult<_>>()?;
+            let reqs: Vec<DraftRequest<'_>> = owned
+                .iter()
+                .enumerate()
+                .map(|(b, o)| {
+                    request(o, &probs[b * cells..(b + 1) * cells], levels, k, budgets[b])
+                })
+                .collect();
+            self.inner
+                .prune_batch(&reqs)
+                .into_iter()
+                .enumerate()
+                .map(|(b, r)| {
+                    r.map_err(|e| {
+                        let err = to_py_err(e);
+                        // Keep the exception's class; say which request failed.
+                        Python::attach(|py| {
+                            let msg = format!("request {b}: {}", err.value(py));
+                            PyErr::from_type(err.get_type(py), msg)
+                        })
+                    })
+                })
+                .collect()
+        })?;
+        trees.into_iter().map(|t| tree_to_py(py, t)).collect()
+    }
+}
+
+fn request<'a>(
+    o: &'a Owned,
+    probs: &'a [f32],
+    levels: usize,
+    k: usize,
+    budget: Option<usize>,
+) -> DraftRequest<'a> {
+    DraftRequest {
+        context: &o.context,
+        topk_ids: &o.ids,
+        topk_probs: probs,
+        levels,
+        k,
+        budget,
+    }
+}
+
+/// The reference defaults, from the Rust side (the Python dataclass is tested against them).
+#[pyfunction]
+fn pruner_config_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = PrunerConfig::default();
+    let d = PyDict::new(py);
+    d.set_item("top_k", c.top_k)?;
+    d.set_item("beam_width", c.beam_width)?;
+    d.set_item("max_nodes", c.max_nodes)?;
+    d.set_item("level_exponent", c.level_exponent)?;
+    d.set_item("logit_decay", c.logit_decay)?;
+    d.set_item("ngram_weight", c.ngram_weight)?;
+    d.set_item("ngram_at_level0", c.ngram_at_level0)?;
+    d.set_item("eos_id", c.eos_id)?;
+    d.set_item("eps", c.eps)?;
+    Ok(d)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPruner>()?;
+    m.add("PrunerError", m.py().get_type::<PrunerError>())?;
+    m.add_function(wrap_pyfunction!(pruner_config_defaults, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,467 @@
+"""The real ``dart-ngram serve`` binary on loopback against the in-process model and pruner.
+
+The model is built by ``dart-ngram build`` from real ShareGPT conversations with the real
+SmolLM2 tokenizer. Every loop is bounded; every address is 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from _daemon_util import Daemon, dart_ngram_binary, wait_for
+from conftest import sharegpt_texts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dart_client.ngram import NGram, TokenizerMismatchError, TokenOutOfVocabError, connect
+from dart_client.remote import (
+    DaemonOverloadedError,
+    DaemonUnavailableError,
+    RemoteInvalidArgumentError,
+    RemoteNGram,
+    RemoteTokenizerMismatchError,
+    RetryPolicy,
+)
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
+    """A 3-gram model of 400 ShareGPT conversations, tokenized with SmolLM2's tokenizer."""
+    tmp = tmp_path_factory.mktemp("daemon-model")
+    corpus = tmp / "sharegpt.jsonl"
+    with corpus.open("w", encoding="utf-8") as f:
+        for text in sharegpt_texts(400):
+            f.write(json.dumps({"text": text}) + "\n")
+    out = tmp / "sharegpt.ngram"
+    subprocess.run(
+        [
+            str(dart_ngram_binary()),
+            "build",
+            "--input",
+            str(corpus),
+            "--tokenizer",
+            str(smollm2_tokenizer_dir / "tokenizer.json"),
+            "--order",
+            "3",
+            "--output",
+            str(out),
+            "--quiet",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def local(model_path: Path) -> NGram:
+    return NGram.open(model_path)
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    with Daemon(model_path, "--threads", "2") as d:
+        yield d
+        assert d.alive(), "the shared daemon died during the tests:\n" + "".join(d.raw[-20:])
+
+
+@pytest.fixture(scope="module")
+def remote(daemon: Daemon, local: NGram) -> Iterator[RemoteNGram]:
+    with connect(daemon.url, timeout=30, expected_fingerprint=local.fingerprint) as r:
+        yield r
+
+
+def corpus_contexts(local: NGram, rng: np.random.Generator, n: int) -> list[np.ndarray]:
+    """Contexts that the model has seen (walked through its top continuations) and random
+    ones, of 0..5 tokens."""
+    out = []
+    for i in range(n):
+        length = int(rng.integers(0, 6))
+        if i % 3 == 0:
+            out.append(rng.integers(0, local.vocab_size, size=length))
+            continue
+        ctx = [int(rng.integers(local.vocab_size))]
+        while len(ctx) < length:
+            ids, _ = local.top_k(ctx, 5)
+            ctx.append(int(ids[0]) if len(ids) else int(rng.integers(local.vocab_size)))
+        out.append(np.asarray(ctx[:length], dtype=np.int64))
+    return out
+
+
+def random_draft(
+    local: NGram, rng: np.random.Generator, levels: int = 8, k: int = 25
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ctx = corpus_contexts(local, rng, 1)[0]
+    if len(ctx) == 0:
+        ctx = np.asarray([int(rng.integers(local.vocab_size))])
+    ids = np.empty((levels, k), dtype=np.int64)
+    walk = list(ctx)
+    for level in range(levels):
+        top, _ = local.top_k(walk, k)
+        row = list(dict.fromkeys(int(t) for t in top))[: k // 2]
+        while len(row) < k:
+            t = int(rng.integers(local.vocab_size))
+            if t not in row:
+                row.append(t)
+        ids[level] = row
+        walk.append(row[0])
+    logits = rng.normal(size=(levels, k)) * 2
+    if rng.random() < 0.3:
+        logits = np.round(logits)  # repeated probabilities: ties in the beam
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return ctx, ids, probs.astype(np.float32)
+
+
+def assert_same_tree(a: object, b: object) -> None:
+    for name in ("tokens", "parents", "depths", "attention_mask", "retrieve_indices", "scores"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype, name
+        assert x.shape == y.shape, name
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+# -- results are identical --------------------------------------------------------------------
+
+
+def test_info_matches_the_local_model(remote: RemoteNGram, local: NGram) -> None:
+    assert remote.order == local.order == 3
+    assert remote.vocab_size == local.vocab_size
+    assert remote.fingerprint == local.fingerprint
+    assert remote.eos_id == local.eos_id
+    assert remote.info() == local.info()
+    assert remote.health()
+
+
+def test_queries_match_local_on_many_random_inputs(remote: RemoteNGram, local: NGram) -> None:
+    rng = np.random.default_rng(1)
+    contexts = corpus_contexts(local, rng, 300)
+    for ctx in contexts:
+        cands = rng.integers(0, local.vocab_size, size=int(rng.integers(0, 30)))
+        top, _ = local.top_k(ctx, 10)
+        cands = np.concatenate([cands, top])  # candidates that were seen too
+        for got, want in zip(remote.prob(ctx, cands), local.prob(ctx, cands), strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+        k = int(rng.integers(0, 40))
+        for got, want in zip(remote.top_k(ctx, k), local.top_k(ctx, k), strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+        seq = ctx[-3:]
+        assert remote.count(seq) == local.count(seq)
+    # Batched forms, as 2-D arrays.
+    batch_ctx = rng.integers(0, local.vocab_size, size=(200, 2))
+    batch_ctx[::2] = np.stack([np.resize(c, 2) for c in contexts[:100] if len(c)][:1] * 100)
+    batch_cands = rng.integers(0, local.vocab_size, size=(200, 25))
+    for got, want in zip(
+        remote.prob_batch(batch_ctx, batch_cands),
+        local.prob_batch(batch_ctx, batch_cands),
+        strict=True,
+    ):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(
+        remote.top_k_batch(batch_ctx, 7), local.top_k_batch(batch_ctx, 7), strict=True
+    ):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_prob_matches_local_for_any_ids(
+    remote: RemoteNGram, local: NGram, data: st.DataObject
+) -> None:
+    ids = st.integers(0, local.vocab_size - 1)
+    ctx = data.draw(st.lists(ids, max_size=6))
+    cands = data.draw(st.lists(ids, max_size=40))
+    got = remote.prob(ctx, cands)
+    want = local.prob(ctx, cands)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NGram) -> None:
+    from dart_client.pruner import Pruner, PrunerConfig
+
+    rng = np.random.default_rng(2)
+    configs = [
+        PrunerConfig(),
+        PrunerConfig(beam_width=6, max_nodes=24, ngram_weight=0.0),
+        PrunerConfig(ngram_at_level0=True, level_exponent=0.5, logit_decay=0.8),
+    ]
+    for config in configs:
+        local_pruner = Pruner(local, config)
+        remote_pruner = remote.pruner(config)
+        for i in range(60):
+            levels = int(rng.integers(1, 9))
+            k = int(rng.integers(1, 26))
+            ctx, ids, probs = random_draft(local, rng, levels, k)
+            budget = int(rng.integers(1, 80)) if i % 4 == 0 else None
+            assert_same_tree(
+                remote_pruner.prune(ctx, ids, probs, budget=budget),
+                local_pruner.prune(ctx, ids, probs, budget=budget),
+            )
+        drafts = [random_draft(local, rng) for _ in range(16)]
+        contexts = [d[0] for d in drafts]
+        ids = np.stack([d[1] for d in drafts])
+        probs = np.stack([d[2] for d in drafts])
+        budgets = [None if j % 2 else 10 + j for j in range(16)]
+        got = remote_pruner.prune_batch(contexts, ids, probs, budgets=budgets)
+        want = local_pruner.prune_batch(contexts, ids, probs, budgets=budgets)
+        assert len(got) == len(want) == 16
+        for a, b in zip(got, want, strict=True):
+            assert_same_tree(a, b)
+
+
+def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: NGram) -> None:
+    from dart_client.pruner import Pruner, PrunerConfig
+
+    rng = np.random.default_rng(3)
+    drafts = [random_draft(local, rng) for _ in range(40)]
+    local_pruner = Pruner(local, PrunerConfig())
+    expected = [local_pruner.prune(*d) for d in drafts]
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        try:
+            with connect(daemon.url, timeout=30) as r:
+                pruner = r.pruner(PrunerConfig())
+                order = np.random.default_rng(seed).permutation(len(drafts))
+                for i in order:
+                    assert_same_tree(pruner.prune(*drafts[i]), expected[i])
+                    ctx = drafts[i][0]
+                    np.testing.assert_array_equal(
+                        r.prob(ctx, drafts[i][1][0])[0], local.prob(ctx, drafts[i][1][0])[0]
+                    )
+        except BaseException as err:  # collected and re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not errors, errors
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
+    daemon: Daemon, remote: RemoteNGram, local: NGram
+) -> None:
+    from dart_client.pruner import PrunerConfig
+
+    v = local.vocab_size
+    with pytest.raises(TokenOutOfVocabError, match=str(v + 5)) as exc:
+        remote.prob([1, 2], [3, v + 5])
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(TokenOutOfVocabError):
+        remote.top_k([v], 3)
+    with pytest.raises(TokenOutOfVocabError):
+        remote.count([0, v + 1])
+
+    rng = np.random.default_rng(4)
+    ctx, ids, probs = random_draft(local, rng, 4, 10)
+    pruner = remote.pruner(PrunerConfig())
+    bad = probs.copy()
+    bad[1, 2] = 1.5
+    with pytest.raises(RemoteInvalidArgumentError, match=r"1\.5") as exc:
+        pruner.prune(ctx, ids, bad)
+    assert isinstance(exc.value, ValueError)
+    dup = ids.copy()
+    dup[0, 1] = dup[0, 0]
+    with pytest.raises(RemoteInvalidArgumentError, match="twice"):
+        pruner.prune(ctx, dup, probs)
+    with pytest.raises(RemoteInvalidArgumentError, match="beam_width"):
+        remote.pruner(PrunerConfig(beam_width=0)).prune(ctx, ids, probs)
+    with pytest.raises(RemoteInvalidArgumentError, match="budget"):
+        pruner.prune(ctx, ids, probs, budget=0)
+    with pytest.raises(RemoteInvalidArgumentError, match="drafts\\[1\\]"):
+        oov = ids.copy()
+        oov[0, 0] = v
+        pruner.prune_batch([ctx, ctx], np.stack([ids, oov]), np.stack([probs, probs]))
+
+    # Bytes that are not a protobuf message at all.
+    channel = grpc.insecure_channel(daemon.addr)
+    raw = channel.unary_unary("/dart.ngram.v1.NGramService/Prune")
+    with pytest.raises(grpc.RpcError) as rpc:
+        raw(b"\xff\xff\xff\xff\x0f", timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed request" in (rpc.value.details() or "")
+    unknown = channel.unary_unary("/dart.ngram.v1.NGramService/NoSuchMethod")
+    with pytest.raises(grpc.RpcError) as rpc:
+        unknown(b"", timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
+
+    # Still serving, correctly.
+    assert remote.health()
+    np.testing.assert_array_equal(remote.prob(ctx, ids[0])[0], local.prob(ctx, ids[0])[0])
+    metrics = daemon.metrics()
+    assert 'code="INVALID_ARGUMENT"' in metrics
+    assert "dart_ngram_request_duration_seconds_bucket" in metrics
+
+
+def test_oversized_requests_are_refused_with_resource_exhausted(model_path: Path) -> None:
+    with Daemon(model_path, "--max-request-bytes", "4096") as d:
+        with connect(d.url, timeout=30) as r:
+            big = np.arange(20_000) % r.vocab_size
+            with pytest.raises(DaemonOverloadedError, match="max-request-bytes") as exc:
+                r.prob([1, 2], big)
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert r.prob([1, 2], big[:10])[0].shape == (10,)
+        assert d.terminate() == 0
+
+
+def test_tokenizer_mismatch_is_refused(daemon: Daemon, local: NGram) -> None:
+    other = "00" * 32 if local.fingerprint != "00" * 32 else "11" * 32
+    with pytest.raises(TokenizerMismatchError, match=local.fingerprint) as exc:
+        connect(daemon.url, timeout=30, expected_fingerprint=other)
+    assert isinstance(exc.value, RemoteTokenizerMismatchError)
+
+
+def test_daemon_down_is_a_clear_error(model_path: Path) -> None:
+    # A port that nothing listens on: bind, note it, close.
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(DaemonUnavailableError, match="dart-ngram serve"):
+        connect(f"grpc://127.0.0.1:{port}", timeout=1)
+    with pytest.raises(ValueError, match="scheme"):
+        connect("http://127.0.0.1:1")
+    # A daemon that goes away under a connected client: bounded retries, then a clear error.
+    with Daemon(model_path) as d:
+        r = connect(d.url, timeout=2, retry=RetryPolicy(attempts=3, backoff=0.01))
+        assert d.terminate() == 0
+        with pytest.raises(DaemonUnavailableError, match="unavailable after 3 attempt"):
+            r.prob([1], [2])
+        r.close()
+
+
+# -- process behaviour ------------------------------------------------------------------------
+
+
+def test_a_client_killed_mid_call_leaves_the_daemon_healthy(
+    daemon: Daemon, remote: RemoteNGram, local: NGram
+) -> None:
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from dart_client.ngram import connect
+        r = connect({daemon.url!r}, timeout=120)
+        rng = np.random.default_rng(0)
+        # Rows of 25 consecutive ids: distinct within a row, cheap to make.
+        ids = rng.integers(0, {local.vocab_size} - 25, size=(3000, 8, 1)) + np.arange(25)
+        probs = np.full(ids.shape, 0.04, dtype=np.float32)
+        print("calling", flush=True)
+        r.pruner().prune_batch([[1, 2]] * len(ids), ids, probs)
+        print("done", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "calling", (
+            proc.stderr.read() if proc.stderr else ""
+        )
+        assert wait_for(
+            lambda: "dart_ngram_in_flight_requests 1" in daemon.metrics(), timeout=60
+        ), "the batch never reached the daemon"
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The daemon finishes (or drops) the orphaned call and keeps answering correctly.
+    assert wait_for(lambda: "dart_ngram_in_flight_requests 0" in daemon.metrics(), timeout=60)
+    assert daemon.alive()
+    assert remote.health()
+    np.testing.assert_array_equal(remote.prob([1, 2], [3, 4])[0], local.prob([1, 2], [3, 4])[0])
+
+
+def test_sigterm_drains_the_request_in_flight_and_exits_zero(
+    model_path: Path, local: NGram
+) -> None:
+    from dart_client.pruner import PrunerConfig
+
+    rng = np.random.default_rng(5)
+    n = 4000
+    ids = rng.integers(0, local.vocab_size - 25, size=(n, 8, 1)) + np.arange(25)
+    probs = np.full(ids.shape, 0.04, dtype=np.float32)
+    with Daemon(model_path, "--threads", "1") as d:
+        r = connect(d.url, timeout=120)
+        result: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                result["trees"] = r.pruner(PrunerConfig()).prune_batch([[1, 2]] * n, ids, probs)
+            except BaseException as err:
+                result["error"] = err
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert wait_for(lambda: "dart_ngram_in_flight_requests 1" in d.metrics(), timeout=60)
+        rc = d.terminate(timeout=60)
+        t.join(60)
+        assert rc == 0, "".join(d.raw[-20:])
+        assert "error" not in result, result.get("error")
+        trees = result["trees"]
+        assert isinstance(trees, list) and len(trees) == n
+        messages = d.log_messages()
+        assert any("shutdown requested" in m for m in messages), messages
+        assert messages[-1] == "stopped"
+        r.close()
+
+
+def test_numa_placement_is_logged_or_refused(model_path: Path) -> None:
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    with Daemon(model_path, "--numa-node", "0") as d:
+        placement = next(r for r in d.logs if r.get("message") == "placement")["placement"]
+        if len(nodes) < 2:
+            assert "no NUMA on this machine" in placement
+        else:
+            assert placement.startswith("pinned to NUMA node 0")
+        assert d.terminate() == 0
+    with Daemon(model_path, "--cpus", "0") as d:
+        placement = next(r for r in d.logs if r.get("message") == "placement")["placement"]
+        assert placement == "pinned to cpus 0"
+        assert d.terminate() == 0
+    res = subprocess.run(
+        [
+            str(dart_ngram_binary()),
+            "serve",
+            "--model",
+            str(model_path),
+            "--numa-node",
+            "99",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0
+    assert "--numa-node 99: no such NUMA node" in res.stderr

@@ -1,0 +1,555 @@
+"""DART generation on tiny random Qwen3 / Llama targets in float64.
+
+Greedy DART must equal ``ar_generate`` and transformers' own ``generate`` token for token;
+sampling must be lossless. Trees come from the real pruner (with a random head acceptance
+is rare) and from an *oracle* builder that plants the target's true continuation in the
+tree, so long accepted runs (and with them the K/V compaction) are exercised.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_EOS, TINY_VOCAB, make_tiny_target, make_tiny_tokenizer
+
+import dart_client.generate as generate_module
+from dart_client import DartModel, ar_generate, dart_generate
+from dart_client.accept import Acceptance, accept_sampling
+from dart_client.draft import DraftRows
+from dart_client.errors import (
+    ContextTooLongError,
+    DartError,
+    EmptyPromptError,
+    IncompatibleHeadError,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
+from dart_client.models.head import DartHead
+from dart_client.sampling import SamplingParams, target_probs
+from dart_client.verify import Tree
+
+ARCHS = ("llama", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def targets() -> dict[str, Any]:
+    return {arch: make_tiny_target(arch, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def heads(targets: dict[str, Any]) -> dict[str, DartHead]:
+    return {
+        arch: DartHead.random_init(model.config, draft_length=3, seed=11).double()
+        for arch, model in targets.items()
+    }
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], **kwargs: Any) -> list[int]:
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, seed: int, max_len: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(3, TINY_VOCAB, size=int(rng.integers(1, max_len))).tolist() for _ in range(n)
+    ]
+
+
+class OracleTree:
+    """Plants the true continuation (cut at a random depth) among wrong branches.
+
+    ``g`` (tokens generated so far) is advanced by the test from the streamed events, so the
+    oracle knows where in the true continuation the root sits.
+    """
+
+    def __init__(self, truth: Sequence[int], seed: int, depth: int = 5) -> None:
+        self.truth = list(truth)
+        self.rng = np.random.default_rng(seed)
+        self.depth = depth
+        self.g = 0
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        root = int(context[-1])
+        true = self.truth[self.g : self.g + self.depth]
+        k = int(self.rng.integers(0, len(true) + 1))
+        wrong = self.rng.integers(3, TINY_VOCAB, size=self.depth).tolist()
+        paths = [
+            true[:k] + wrong[: self.depth - k],
+            rows.ids[:, 0].tolist(),
+            true[: max(0, k - 1)] + rows.ids[:, 1].tolist(),
+        ]
+        tree = Tree.from_paths(root, paths)
+        n = min(len(tree), budget + 1)  # creation order keeps parents first: prefix-closed
+        return Tree.build(tree.tokens[:n], tree.parents[:n])
+
+
+def run_oracle(dm: DartModel, oracle: OracleTree, **kwargs: Any) -> Any:
+    stream = dart_generate(dm, stream=True, **kwargs)
+    for event in stream:
+        oracle.g += len(event.tokens)
+    return stream.result
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_ar_and_transformers_with_pruner(
+    arch: str, targets: dict[str, Any], heads: dict[str, DartHead], tiny_ngram_path: Any
+) -> None:
+    pytest.importorskip("dart_client.pruner")
+    from dart_client.ngram import NGram
+
+    model = targets[arch]
+    dm = DartModel(model, heads[arch], ngram=NGram.open(str(tiny_ngram_path)))
+    cases = list(zip(random_prompts(12, seed=3), [None, 1, 3, 17, 60, 2] * 2, strict=True))
+    total_steps = 0
+    for i, (prompt, budget) in enumerate(cases):
+        max_new = [1, 7, 30][i % 3]
+        want = hf_greedy(model, prompt, max_new_tokens=max_new)
+        got = dart_generate(dm, input_ids=prompt, max_new_token_num=max_new, tree_budget=budget)
+        ar = ar_generate(dm, input_ids=prompt, max_new_token_num=max_new)
+        assert got.tokens == want, f"case {i}: prompt {prompt}, budget {budget}"
+        assert ar.tokens == want
+        assert len(got.tokens) <= max_new
+        assert sum(got.accept_lengths) >= len(got.tokens)
+        total_steps += got.steps
+        if budget is None and got.steps:
+            assert max(got.tree_sizes[1:]) > 1, "the pruner built no tree"
+    assert total_steps > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_oracle_trees_accept_long_runs(
+    arch: str, targets: dict[str, Any], heads: dict[str, DartHead]
+) -> None:
+    model = targets[arch]
+    longest = 0
+    for i, prompt in enumerate(random_prompts(6, seed=5)):
+        max_new = 25
+        want = hf_greedy(model, prompt, max_new_tokens=max_new)
+        oracle = OracleTree(want, seed=i)
+        dm = DartModel(model, heads[arch], tree_builder=oracle)
+        got = run_oracle(
+            dm, oracle, input_ids=prompt, max_new_token_num=max_new, tree_budget=[None, 4, 9][i % 3]
+        )
+        assert got.tokens == want, f"prompt {i}"
+        longest = max(longest, max(got.accept_lengths))
+        assert got.tau >= 1.0
+    # Accepted runs longer than the bonus token must occur, or compaction is untested.
+    assert longest >= 4
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eos_inside_an_accepted_run_stops_like_transformers(
+    targets: dict[str, Any], heads: dict[str, DartHead]
+) -> None:
+    model = targets["llama"]
+    prompt = random_prompts(1, seed=9)[0]
+    free = hf_greedy(model, prompt, max_new_tokens=30, eos_token_id=None)
+    eos = free[6]  # a token the greedy run really produces
+    first = free.index(eos)
+    want = hf_greedy(model, prompt, max_new_tokens=30, eos_token_id=[TINY_EOS, eos])
+    assert want == free[: first + 1]
+    oracle = OracleTree(free, seed=1, depth=8)
+    dm = DartModel(model, heads["llama"], tree_builder=oracle)
+    dm.target.eos_token_ids = frozenset({TINY_EOS, eos})
+    got = run_oracle(dm, oracle, input_ids=prompt, max_new_token_num=30)
+    assert got.tokens == want
+    assert got.finish_reason == "eos"
+    ar = ar_generate(dm, input_ids=prompt, max_new_token_num=30)
+    assert ar.tokens == want and ar.finish_reason == "eos"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("extra", [1, 2, 3, 6])
+def test_max_length_edges_never_overflow(
+    extra: int, targets: dict[str, Any], heads: dict[str, DartHead]
+) -> None:
+    model = targets["qwen3"]
+    prompt = random_prompts(1, seed=extra, max_len=20)[0]
+    max_length = len(prompt) + extra
+    want = hf_greedy(model, prompt, max_length=max_length)
+    oracle = OracleTree(want + [5] * 10, seed=extra, depth=8)
+    dm = DartModel(model, heads["qwen3"], tree_builder=oracle)
+    # The caches are exactly max_length long: a tree that did not shrink would overflow.
+    got = run_oracle(dm, oracle, input_ids=prompt, max_length=max_length, max_new_token_num=100)
+    assert got.tokens == want
+    assert len(prompt) + len(got.tokens) <= max_length
+    assert all(size <= max_length - len(prompt) for size in got.tree_sizes)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_max_new_tokens_cuts_a_long_accepted_run(
+    targets: dict[str, Any], heads: dict[str, DartHead]
+) -> None:
+    model = targets["llama"]
+    prompt = random_prompts(1, seed=21)[0]
+    want = hf_greedy(model, prompt, max_new_tokens=12)
+    for max_new in (1, 2, 3, 5, 12):
+        oracle = OracleTree(want, seed=max_new, depth=8)
+        oracle.rng = np.random.default_rng(0)
+        dm = DartModel(model, heads["llama"], tree_builder=oracle)
+        got = run_oracle(dm, oracle, input_ids=prompt, max_new_token_num=max_new)
+        assert got.tokens == want[:max_new]
+        assert got.finish_reason == "length"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_stop_strings_and_streaming(targets: dict[str, Any], heads: dict[str, DartHead]) -> None:
+    model = targets["llama"]
+    tok = make_tiny_tokenizer()
+    prompt = random_prompts(1, seed=4)[0]
+    free = hf_greedy(model, prompt, max_new_tokens=30, eos_token_id=None)
+    # A stop string spanning two tokens, cut in the middle of the first word.
+    stop = tok.decode(free[8:10])[1:]
+    expected_n = next(
+        n for n in range(1, len(free) + 1) if stop in tok.decode(free[:n], skip_special_tokens=True)
+    )
+    oracle = OracleTree(free, seed=2, depth=6)
+    dm = DartModel(model, heads["llama"], tokenizer=tok, tree_builder=oracle)
+    dm.target.eos_token_ids = frozenset()
+    stream = dart_generate(dm, input_ids=prompt, max_new_token_num=30, stop=[stop], stream=True)
+    deltas = []
+    for event in stream:
+        oracle.g += len(event.tokens)
+        deltas.append(event.text)
+    result = stream.result
+    assert result is not None
+    assert result.tokens == free[:expected_n]
+    assert result.finish_reason == "stop"
+    full = tok.decode(free[:expected_n], skip_special_tokens=True)
+    assert result.text == full[: full.index(stop)]
+    assert stop not in result.text
+    assert "".join(deltas) == result.text
+    ar = ar_generate(dm, input_ids=prompt, max_new_token_num=30, stop=stop)
+    assert ar.tokens == result.tokens and ar.text == result.text
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sdpa_and_text_prompt_paths(heads: dict[str, DartHead]) -> None:
+    model = make_tiny_target("llama", seed=0, attn="sdpa")
+    tok = make_tiny_tokenizer()
+    text = "w5 w17 w200 w33"
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    want = hf_greedy(model, prompt, max_new_tokens=15)
+    oracle = OracleTree(want, seed=3)
+    dm = DartModel(model, heads["llama"], tokenizer=tok, tree_builder=oracle)
+    got = run_oracle(dm, oracle, prompt=text, max_new_token_num=15)
+    assert got.tokens == want
+    assert got.prompt_tokens == len(prompt)
+    assert got.text == tok.decode(want, skip_special_tokens=True)
+    assert set(got.timings) == set(generate_module.STAGES)
+    assert all(v >= 0 for v in got.timings.values())
+    assert got.timings["verify"] > 0 and got.timings["draft"] > 0
+    assert got.tau == pytest.approx(sum(got.accept_lengths[1:]) / got.steps)
+
+
+# ---- sampling losslessness -------------------------------------------------------------
+
+
+class FullTree:
+    """Every combination of the top-``width`` draft tokens of the first ``depth`` rows, cut
+    to the budget in breadth-first order. Records each node's draft probability ``q``."""
+
+    def __init__(self, width: int = 2, depth: int = 2) -> None:
+        self.width = width
+        self.depth = depth
+        self.q: list[float] = []
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        tokens, parents, q = [int(context[-1])], [-1], [1.0]
+        frontier = [0]
+        for level in range(min(self.depth, rows.levels)):
+            nxt = []
+            for parent in frontier:
+                for j in range(self.width):
+                    tokens.append(int(rows.ids[level, j]))
+                    parents.append(parent)
+                    q.append(float(rows.probs[level, j]))
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt
+        n = min(len(tokens), budget + 1)
+        self.q = q[:n]
+        return Tree.build(tokens[:n], parents[:n])
+
+
+SMALL_VOCAB = 12
+PARAMS = SamplingParams(temperature=0.9, top_k=8, top_p=0.97)
+PROMPT = [5, 7, 3, 9]
+
+
+def exact_joint(
+    model: Any, prompt: list[int], n: int, params: SamplingParams
+) -> dict[tuple, float]:
+    """The target's exact distribution of its first ``n`` sampled tokens (enumerated)."""
+    dist: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(dist)
+        batch = torch.tensor([prompt + list(p) for p in prefixes])
+        with torch.no_grad():
+            logits = model(batch).logits[:, -1]
+        probs = target_probs(logits, params)
+        nxt: dict[tuple, float] = {}
+        for row, prefix in enumerate(prefixes):
+            for tok in range(probs.shape[1]):
+                p = float(probs[row, tok]) * dist[prefix]
+                if p > 0:
+                    nxt[(*prefix, tok)] = p
+        dist = nxt
+    return dist
+
+
+def chi_square_pvalue(counts: Counter, probs: dict[tuple, float], n: int) -> float:
+    """Pearson chi-square, cells with expectation < 5 pooled; p-value by Wilson-Hilferty."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, p in probs.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        cells += 1
+    outside = sum(c for k, c in counts.items() if k not in probs)
+    assert outside == 0, "sampled a sequence the target gives probability 0"
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    k = max(1, cells - 1)
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def total_variation(counts: Counter, probs: dict[tuple, float], n: int) -> float:
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup() -> tuple[DartModel, FullTree, dict[tuple, float]]:
+    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, seed=5, init_range=0.3)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
+    builder = FullTree(width=3, depth=2)
+    dm = DartModel(model, head, tree_builder=builder)
+    assert not dm.target.eos_token_ids
+    return dm, builder, exact_joint(model, PROMPT, 3, PARAMS)
+
+
+def sample_many(dm: DartModel, n: int) -> tuple[Counter, list[int]]:
+    counts: Counter = Counter()
+    lengths: list[int] = []
+    for seed in range(n):
+        r = dart_generate(
+            dm,
+            input_ids=PROMPT,
+            max_new_token_num=3,
+            seed=seed,
+            temperature=PARAMS.temperature,
+            top_k=PARAMS.top_k,
+            top_p=PARAMS.top_p,
+        )
+        counts[tuple(r.tokens)] += 1
+        lengths.extend(r.accept_lengths[1:])
+    return counts, lengths
+
+
+N_SAMPLES = 1200
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_is_lossless(sampling_setup: Any) -> None:
+    dm, _, exact = sampling_setup
+    counts, lengths = sample_many(dm, N_SAMPLES)
+    assert max(lengths) >= 2, "no draft token was ever accepted: the test would be vacuous"
+    pvalue = chi_square_pvalue(counts, exact, N_SAMPLES)
+    tv = total_variation(counts, exact, N_SAMPLES)
+    print(f"lossless: p={pvalue:.3g} TV={tv:.3f} mean accept={np.mean(lengths):.2f}")
+    assert pvalue > 1e-3, f"DART samples differ from the target (p={pvalue:.2e}, TV={tv:.3f})"
+    # ar_generate with the same warpers samples the same distribution.
+    ar_counts: Counter = Counter(
+        tuple(
+            ar_generate(
+                dm,
+                input_ids=PROMPT,
+                max_new_token_num=3,
+                seed=s,
+                temperature=PARAMS.temperature,
+                top_k=PARAMS.top_k,
+                top_p=PARAMS.top_p,
+            ).tokens
+        )
+        for s in range(400)
+    )
+    assert chi_square_pvalue(ar_counts, exact, 400) > 1e-3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_biased_acceptance_is_caught(sampling_setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepting with min(1, p/q) against the draft's q (a classic bug) must fail the test."""
+    dm, builder, exact = sampling_setup
+
+    def biased(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: Any) -> Acceptance:
+        node, nodes, tokens = 0, [0], []
+        while True:
+            p = target_probs(logits[node], params).double()
+            chosen = None
+            for child in tree.children[node]:
+                x = tree.tokens[child]
+                ratio = min(1.0, float(p[x] / p.sum()) / builder.q[child])
+                if float(torch.rand((), generator=gen, dtype=torch.float64)) < ratio:
+                    chosen = child
+                    break
+                p[x] = 0.0
+            if chosen is None:
+                bonus = int(torch.multinomial(p, 1, generator=gen))
+                return Acceptance(nodes=nodes, tokens=tokens, bonus=bonus)
+            node = chosen
+            nodes.append(node)
+            tokens.append(tree.tokens[node])
+
+    monkeypatch.setattr(generate_module, "accept_sampling", biased)
+    counts, _ = sample_many(dm, N_SAMPLES)
+    pvalue = chi_square_pvalue(counts, exact, N_SAMPLES)
+    print(f"biased: p={pvalue:.3g} TV={total_variation(counts, exact, N_SAMPLES):.3f}")
+    assert pvalue < 1e-6, f"the biased variant went unnoticed (p={pvalue:.2e})"
+
+
+def test_accept_sampling_first_token_is_exact() -> None:
+    """Unit level: the first produced token is distributed exactly as p at the root."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]] * 5, dtype=torch.float64)
+    params = SamplingParams(temperature=1.0)
+    tree = Tree.build([0, 1, 5, 3, 2], [-1, 0, 0, 0, 1])
+    p = target_probs(logits[0], params)
+    n = 20000
+    counts: Counter = Counter()
+    for _ in range(n):
+        acc = accept_sampling(tree, logits, params, gen)
+        counts[(acc.new_tokens[0],)] += 1
+    exact = {(i,): float(p[i]) for i in range(6)}
+    assert chi_square_pvalue(counts, exact, n) > 1e-3
+
+
+# ---- bad inputs ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_dm(targets: dict[str, Any], heads: dict[str, DartHead]) -> DartModel:
+    return DartModel(
+        targets["llama"],
+        heads["llama"],
+        tokenizer=make_tiny_tokenizer(),
+        tree_builder=FullTree(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"input_ids": []}, EmptyPromptError, "empty"),
+        ({"prompt": ""}, EmptyPromptError, "empty"),
+        ({"input_ids": [5] * 50, "max_length": 50}, ContextTooLongError, "50 tokens"),
+        (
+            {"input_ids": [5] * 600, "max_length": 4096},
+            ContextTooLongError,
+            "max_position_embeddings",
+        ),
+        ({"prompt": 123}, InvalidTypeError, "prompt must be a str"),
+        ({"input_ids": [1.5, 2.0]}, InvalidTypeError, "ints"),
+        ({"input_ids": torch.tensor([[1.0, 2.0]])}, InvalidTypeError, "integers"),
+        ({"input_ids": torch.ones((2, 3), dtype=torch.long)}, InvalidArgumentError, "batch"),
+        ({"input_ids": [5, TINY_VOCAB]}, InvalidArgumentError, "outside the target vocabulary"),
+        ({"input_ids": "w5"}, InvalidTypeError, "input_ids"),
+        ({"input_ids": [5], "prompt": "w5"}, InvalidArgumentError, "exactly one"),
+        ({}, InvalidArgumentError, "exactly one"),
+        ({"input_ids": [5], "temperature": -1.0}, InvalidArgumentError, "temperature"),
+        ({"input_ids": [5], "temperature": "hot"}, InvalidTypeError, "temperature"),
+        ({"input_ids": [5], "top_p": 0.0}, InvalidArgumentError, "top_p"),
+        ({"input_ids": [5], "top_k": -2}, InvalidArgumentError, "top_k"),
+        ({"input_ids": [5], "max_new_token_num": 0}, InvalidArgumentError, "max_new_token_num"),
+        ({"input_ids": [5], "max_new_token_num": 2.5}, InvalidTypeError, "max_new_token_num"),
+        ({"input_ids": [5], "tree_budget": -1}, InvalidArgumentError, "tree_budget"),
+        ({"input_ids": [5], "stop": [""]}, InvalidArgumentError, "stop"),
+        ({"input_ids": [5], "stop": 7}, InvalidTypeError, "stop"),
+        ({"input_ids": [5], "seed": "x"}, InvalidTypeError, "seed"),
+        ({"messages": "hello"}, DartError, "template"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(
+    plain_dm: DartModel, kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    for fn in (dart_generate, ar_generate):
+        with pytest.raises(error, match=fragment):
+            fn(plain_dm, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"hidden_size": 96, "head_dim": 16}, "hidden_size: head 64, target 96"),
+        ({"head_dim": 32}, "head_dim: head 16, target 32"),
+        ({"vocab_size": 500}, f"vocab_size: head {TINY_VOCAB}, target 500"),
+    ],
+)
+def test_mismatched_head_and_target(
+    heads: dict[str, DartHead], change: dict[str, int], fragment: str
+) -> None:
+    base = make_tiny_target("llama", layers=4)
+    config = base.config.__class__(**{**base.config.to_dict(), **change})
+    with pytest.raises(IncompatibleHeadError, match=fragment):
+        DartModel(type(base)(config), heads["llama"])
+
+
+def test_target_needs_four_layers() -> None:
+    from dart_client.errors import UnsupportedTargetError
+
+    with pytest.raises(UnsupportedTargetError, match="at least 4"):
+        DartModel(make_tiny_target("llama", layers=3))
+
+
+def test_dart_generate_without_head_is_an_error(targets: dict[str, Any]) -> None:
+    dm = DartModel(targets["llama"])
+    with pytest.raises(InvalidArgumentError, match="ar_generate"):
+        dart_generate(dm, input_ids=[5, 6])
+    assert len(ar_generate(dm, input_ids=[5, 6], max_new_token_num=3).tokens) == 3
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from dart_client.cli import main
+
+    model = make_tiny_target("llama", seed=0)
+    tok = make_tiny_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    argv = ["generate", "--base", str(tmp_path / "tiny"), "--dtype", "fp32", "--ar", "--raw",
+            "--max-new-tokens", "6", "--json", "w5 w17 w200"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    reloaded = type(model).from_pretrained(tmp_path / "tiny", dtype=torch.float32).eval()
+    reloaded.config._attn_implementation = "eager"
+    want = hf_greedy(reloaded, tok("w5 w17 w200")["input_ids"], max_new_tokens=6)
+    assert out["tokens"] == want
+    assert out["text"] == tok.decode(want, skip_special_tokens=True)
+    assert out["finish_reason"] in ("length", "eos")
+
+    assert main(["no-such-command"]) == 2
+    assert main([]) == 2
+    # A DartError becomes a one-line message and exit status 1, not a traceback.
+    no_ar = [a for a in argv[:-2] if a != "--ar"]
+    assert main([*no_ar, "--head", str(tmp_path / "missing"), "w5"]) == 1
+    assert "error:" in capsys.readouterr().err

@@ -1,0 +1,304 @@
+"""The DART head: published checkpoint layout, strict loading, forward semantics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_target
+from safetensors.torch import save_file
+
+from dart_client.errors import CheckpointError, IncompatibleHeadError
+from dart_client.models.head import CHECKPOINT_KEYS, DartHead, DartHeadConfig
+
+H = 64
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return make_tiny_target("qwen3", seed=1)
+
+
+def published_checkpoint(directory: Path, target: Any, draft_vocab: int = 100) -> dict:
+    """Write a checkpoint the way the published ``fvliang/qwen*-dart`` repos lay it out:
+    a LlamaConfig-style config.json and a flat safetensors file with the reference's keys."""
+    g = torch.Generator().manual_seed(5)
+    hd, heads, kv, inter = 16, 4, 2, 128
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    vocab = target.config.vocab_size
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    state = {
+        "fc.weight": rnd(H, 3 * H),
+        "midlayer.mask_rep": rnd(2 * H),
+        "midlayer.self_attn.q_proj.weight": rnd(heads * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": rnd(kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rnd(kv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rnd(H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, H),
+        "midlayer.mlp.up_proj.weight": rnd(inter, H),
+        "midlayer.mlp.down_proj.weight": rnd(H, inter),
+        "midlayer.hidden_norm.weight": 1 + rnd(H),
+        "midlayer.input_layernorm.weight": 1 + rnd(H),
+        "midlayer.post_attention_layernorm.weight": 1 + rnd(H),
+        "norm.weight": 1 + rnd(H),
+        "lm_head.weight": rnd(draft_vocab, H),
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "draft_length": 3,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(state, str(directory / "model.safetensors"))
+    return state
+
+
+def reference_forward(
+    head: DartHead, embed: torch.nn.Module, taps: torch.Tensor, next_ids: torch.Tensor, m: int
+) -> torch.Tensor:
+    """The head written out as plain math over the whole sequence (no cache), per DESIGN.md."""
+    cfg = head.config
+    layer = head.midlayer
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    r = taps.shape[1]
+    fch = taps @ head.fc.weight.T
+    real = torch.cat(
+        [rms(embed(next_ids), layer.input_layernorm.weight), rms(fch, layer.hidden_norm.weight)],
+        dim=-1,
+    )
+    x = torch.cat([real, layer.mask_rep.expand(1, m, -1)], dim=1)
+    residual = torch.cat([fch, layer.mask_rep[:H].expand(1, m, -1)], dim=1)
+    n = r + m
+    hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q = (x @ layer.self_attn.q_proj.weight.T).view(1, n, nh, hd).transpose(1, 2)
+    k = (x @ layer.self_attn.k_proj.weight.T).view(1, n, nkv, hd).transpose(1, 2)
+    v = (x @ layer.self_attn.v_proj.weight.T).view(1, n, nkv, hd).transpose(1, 2)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        half = t.shape[-1] // 2
+        rot = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        return t * cos + rot * sin
+
+    q, k = rope(q), rope(k)
+    k = k.repeat_interleave(nh // nkv, dim=1)
+    v = v.repeat_interleave(nh // nkv, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, nh * hd)
+    h = (residual + attn @ layer.self_attn.o_proj.weight.T)[:, -(m + 1) :]
+    mlp = layer.mlp
+    z = rms(h, layer.post_attention_layernorm.weight)
+    h = (
+        h
+        + (F.silu(z @ mlp.gate_proj.weight.T) * (z @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    )
+    h = rms(h, head.norm.weight)
+    if cfg.double_final_norm:
+        h = rms(h, head.norm.weight)
+    return h @ head.lm_head.weight.T
+
+
+def test_published_layout_loads_strictly(tmp_path: Path, target: Any) -> None:
+    state = published_checkpoint(tmp_path / "head", target)
+    head = DartHead.from_pretrained(tmp_path / "head")
+    assert set(head.state_dict()) == set(CHECKPOINT_KEYS)
+    for key, value in state.items():
+        assert torch.equal(head.state_dict()[key].to(value.dtype), value), key
+    assert head.config.draft_length == 3 and head.config.draft_vocab_size == 100
+    assert head.config.double_final_norm  # the reference's inference behaviour by default
+    head.check_compatible(target.config)
+    ids = head.draft_to_target
+    assert torch.equal(head.t2d.nonzero().flatten(), ids)
+
+
+def test_embedding_key_is_tolerated(tmp_path: Path, target: Any) -> None:
+    state = published_checkpoint(tmp_path / "h", target)
+    state["embed_tokens.weight"] = torch.zeros(target.config.vocab_size, H)
+    save_file(state, str(tmp_path / "h" / "model.safetensors"))
+    head = DartHead.from_pretrained(tmp_path / "h")
+    assert "embed_tokens.weight" not in head.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda s: s.pop("midlayer.mask_rep"), r"missing keys \['midlayer.mask_rep'\]"),
+        (lambda s: s.update({"midlayer.extra": torch.zeros(1)}), "unexpected keys"),
+        (
+            lambda s: s.update({"fc.weight": torch.zeros(64, 100)}),
+            r"fc.weight: shape \(64, 100\), expected \(64, 192\)",
+        ),
+        (lambda s: s.update({"lm_head.weight": torch.zeros(99, 64)}), "lm_head.weight: shape"),
+        (lambda s: s.update({"d2t": torch.full((100,), 10_000)}), "outside the target vocabulary"),
+        (lambda s: s.update({"d2t": torch.zeros(100)}), "integer tensor"),
+        (lambda s: s.update({"d2t": -torch.arange(100)}), "same target id"),
+    ],
+)
+def test_bad_checkpoints_name_the_problem(
+    tmp_path: Path, target: Any, edit: Any, fragment: str
+) -> None:
+    state = published_checkpoint(tmp_path / "h", target)
+    edit(state)
+    save_file(state, str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=fragment) as info:
+        DartHead.from_pretrained(tmp_path / "h")
+    assert "model.safetensors" in str(info.value)
+
+
+def test_bad_config_and_missing_files(tmp_path: Path, target: Any) -> None:
+    with pytest.raises(CheckpointError, match="no such head directory"):
+        DartHead.from_pretrained(tmp_path / "nowhere")
+    published_checkpoint(tmp_path / "h", target)
+    (tmp_path / "h" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        DartHead.from_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(CheckpointError, match="missing required field"):
+        DartHead.from_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 8,
+                "num_attention_heads": 3,
+                "num_key_value_heads": 2,
+                "vocab_size": 10,
+            }
+        )
+    )
+    with pytest.raises(CheckpointError, match="multiple of num_key_value_heads"):
+        DartHead.from_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "model.safetensors").write_bytes(b"garbage")
+    published = tmp_path / "h2"
+    published_checkpoint(published, target)
+    (published / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        DartHead.from_pretrained(published)
+
+
+def test_save_pretrained_round_trip(tmp_path: Path, target: Any) -> None:
+    head = DartHead.random_init(
+        target.config,
+        draft_length=5,
+        draft_vocab=torch.arange(3, 200),
+        double_final_norm=False,
+        seed=4,
+    )
+    head.save_pretrained(tmp_path / "out")
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["config.json", "model.safetensors"]
+    loaded = DartHead.from_pretrained(tmp_path / "out")
+    saved = loaded.config.to_dict()
+    assert saved.pop("torch_dtype") == "float32"
+    assert saved == head.config.to_dict()
+    assert not loaded.config.double_final_norm
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.draft_to_target.tolist() == list(range(3, 200))
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_forward_matches_plain_math_and_cache_is_incremental(
+    tmp_path: Path, target: Any, double: bool
+) -> None:
+    published_checkpoint(tmp_path / "h", target)
+    head = DartHead.from_pretrained(tmp_path / "h", double_final_norm=double).double()
+    embed = target.get_input_embeddings()
+    head.bind_embedding(embed)
+    m = head.config.draft_length
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(1, 9, 3 * H, generator=g, dtype=torch.float64)
+    nxt = torch.randint(0, target.config.vocab_size, (1, 9), generator=g)
+    with torch.no_grad():
+        want = reference_forward(head, embed, taps, nxt, m)
+        full = head(taps, nxt, head.new_cache(32))
+        # Incremental: the cache keeps real positions only, so feeding 4 + 3 + 2 positions
+        # ends with the same rows as feeding all 9 at once.
+        cache = head.new_cache(32)
+        head(taps[:, :4], nxt[:, :4], cache)
+        assert cache.length == 4
+        head(taps[:, 4:7], nxt[:, 4:7], cache)
+        last = head(taps[:, 7:], nxt[:, 7:], cache)
+        assert cache.length == 9
+    assert full.shape == (1, m + 1, head.config.draft_vocab_size)
+    # transformers computes RoPE angles in float32, hence 1e-6 against the float64 math.
+    torch.testing.assert_close(full, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(last, full, rtol=1e-10, atol=1e-10)
+
+
+def test_double_final_norm_changes_the_logits(tmp_path: Path, target: Any) -> None:
+    published_checkpoint(tmp_path / "h", target)
+    outs = []
+    for double in (True, False):
+        head = DartHead.from_pretrained(tmp_path / "h", double_final_norm=double).double()
+        head.bind_embedding(target.get_input_embeddings())
+        taps = torch.ones(1, 2, 3 * H, dtype=torch.float64)
+        with torch.no_grad():
+            outs.append(head(taps, torch.tensor([[5, 6]]), head.new_cache(8)))
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def test_compatibility_names_every_difference(target: Any) -> None:
+    config = DartHeadConfig(
+        hidden_size=32,
+        intermediate_size=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=99,
+        draft_vocab_size=10,
+    )
+    with pytest.raises(IncompatibleHeadError) as info:
+        DartHead(config).check_compatible(target.config)
+    text = str(info.value)
+    for fragment in (
+        "hidden_size: head 32, target 64",
+        "head_dim: head 8, target 16",
+        "vocab_size: head 99, target 384",
+    ):
+        assert fragment in text
+
+
+def test_random_init_and_draft_vocab_checks(target: Any) -> None:
+    head = DartHead.random_init(target.config, draft_vocab_size=50)
+    assert head.lm_head.weight.shape == (50, H)
+    assert head.draft_to_target.tolist() == list(range(50))
+    assert int(head.t2d.sum()) == 50
+    with pytest.raises(CheckpointError, match="distinct"):
+        head.set_draft_vocab(torch.tensor([1] * 50))
+    with pytest.raises(CheckpointError, match="lie in"):
+        head.set_draft_vocab(torch.arange(50) + 1000)
