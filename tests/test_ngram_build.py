@@ -3,21 +3,21 @@ against a plain Python counter, fingerprints, reference-trie import, bad input, 
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import random
 import threading
 import time
-import _thread
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import sharegpt_texts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import sharegpt_texts
 from dart_client.ngram import NGram, NGramError
 from dart_client.ngram_build import (
     build,
@@ -170,7 +170,9 @@ def test_fingerprint_rejects_conflicting_ids() -> None:
     order=st.integers(1, 4),
     seed=st.none() | st.integers(0, 2**32),
 )
-def test_import_round_trip(docs: list[list[int]], order: int, seed: int | None, tmp_path_factory) -> None:
+def test_import_round_trip(
+    docs: list[list[int]], order: int, seed: int | None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     d = tmp_path_factory.mktemp("imp")
     counts, total = count_docs(docs, order)
     trie = d / "full.trie"
@@ -182,7 +184,7 @@ def test_import_round_trip(docs: list[list[int]], order: int, seed: int | None, 
     assert ng.count([]) == total
     for g, c in counts.items():
         assert ng.count(list(g)) == c
-    contexts = [list(g) for g in counts if len(g) < order][:50] + [[19, 19], []]
+    contexts = [*[list(g) for g in counts if len(g) < order][:50], [19, 19], []]
     cands = np.arange(20)
     for ctx in contexts:
         probs, matched = ng.prob(ctx, cands)
@@ -213,8 +215,9 @@ def test_ids_input_directories_and_min_count(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     docs = [[1, 2, 3, 1, 2], [2, 3], [4], []]
-    (corpus / "a.jsonl").write_text("".join(json.dumps({"ids": d}) + "\n" for d in docs[:2]))
-    (corpus / "sub" / "b.jsonl").write_text("".join(json.dumps({"ids": d}) + "\n" for d in docs[2:]))
+    lines = [json.dumps({"ids": d}) + "\n" for d in docs]
+    (corpus / "a.jsonl").write_text("".join(lines[:2]))
+    (corpus / "sub" / "b.jsonl").write_text("".join(lines[2:]))
     out = tmp_path / "m.ngram"
     report = build(corpus, out, vocab_size=8, eos_id=7, min_count=2, memory=1 << 20)
     full = [[*d, 7] for d in docs]

@@ -108,49 +108,64 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     o.cancel = Some(interrupt_flag());
     let report = build(&o)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))
     } else {
-        print_summary(&report);
+        emit(&summary(&report))
     }
-    Ok(())
 }
 
-fn print_summary(r: &BuildReport) {
-    println!("built            {}", r.output.display());
-    println!("input files      {}", r.input_files);
-    println!("documents        {}", r.documents);
-    println!("tokens           {}", r.tokens);
+/// Writes to stdout; a closed pipe (`| head`) is not an error worth a panic.
+pub(crate) fn emit(text: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+fn summary(r: &BuildReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "built            {}", r.output.display());
+    let _ = writeln!(s, "input files      {}", r.input_files);
+    let _ = writeln!(s, "documents        {}", r.documents);
+    let _ = writeln!(s, "tokens           {}", r.tokens);
     if r.skipped_lines > 0 {
-        println!(
+        let _ = writeln!(
+            s,
             "skipped lines    {} (first: {})",
             r.skipped_lines,
             r.first_skipped.as_deref().unwrap_or("?")
         );
     }
-    println!("order            {}", r.order);
-    println!("vocabulary       {}", r.vocab_size);
-    match r.eos_id {
-        Some(e) => println!("eos id           {e}"),
-        None => println!("eos id           none"),
-    }
-    println!("tokenizer        {}", r.tokenizer_fingerprint);
+    let _ = writeln!(s, "order            {}", r.order);
+    let _ = writeln!(s, "vocabulary       {}", r.vocab_size);
+    let eos = r
+        .eos_id
+        .map_or_else(|| "none".to_string(), |e| e.to_string());
+    let _ = writeln!(s, "eos id           {eos}");
+    let _ = writeln!(s, "tokenizer        {}", r.tokenizer_fingerprint);
     for (i, n) in r.ngrams_per_order.iter().enumerate() {
-        println!("{}-grams{:9} {n}", i + 1, "");
+        let _ = writeln!(s, "{}-grams{:9} {n}", i + 1, "");
     }
     if r.min_count > 1 {
-        println!("min count        {}", r.min_count);
+        let _ = writeln!(s, "min count        {}", r.min_count);
     }
-    println!(
+    let _ = writeln!(
+        s,
         "memory           budget {} MiB, count table {} MiB, {} spilled runs",
         r.memory_budget >> 20,
         r.table_bytes >> 20,
         r.spilled_runs
     );
-    println!("threads          {}", r.threads);
-    println!(
+    let _ = writeln!(s, "threads          {}", r.threads);
+    let _ = writeln!(
+        s,
         "time             {:.2} s ({:.2} s counting, {:.2} s writing)",
         r.seconds, r.count_seconds, r.write_seconds
     );
-    println!("speed            {:.0} tokens/s", r.tokens_per_second);
-    println!("output bytes     {}", r.output_bytes);
+    let _ = writeln!(s, "speed            {:.0} tokens/s", r.tokens_per_second);
+    let _ = writeln!(s, "output bytes     {}", r.output_bytes);
+    s
 }

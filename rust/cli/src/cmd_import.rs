@@ -45,27 +45,30 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     o.cancel = Some(crate::cmd_build::interrupt_flag());
     let r = import_dart(&o)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-        return Ok(());
+        return crate::cmd_build::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
     }
-    println!(
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
         "imported         {} -> {}",
         r.trie.display(),
         r.output.display()
     );
-    println!("nodes            {}", r.nodes);
-    println!("order            {}", r.order);
-    println!("vocabulary       {}", r.vocab_size);
-    println!("total tokens     {}", r.total_tokens);
-    println!("tokenizer        {}", r.tokenizer_fingerprint);
+    let _ = writeln!(s, "nodes            {}", r.nodes);
+    let _ = writeln!(s, "order            {}", r.order);
+    let _ = writeln!(s, "vocabulary       {}", r.vocab_size);
+    let _ = writeln!(s, "total tokens     {}", r.total_tokens);
+    let _ = writeln!(s, "tokenizer        {}", r.tokenizer_fingerprint);
     for (i, n) in r.ngrams_per_order.iter().enumerate() {
-        println!("{}-grams{:9} {n}", i + 1, "");
+        let _ = writeln!(s, "{}-grams{:9} {n}", i + 1, "");
     }
-    println!("spilled runs     {}", r.spilled_runs);
-    println!("time             {:.2} s", r.seconds);
-    println!(
+    let _ = writeln!(s, "spilled runs     {}", r.spilled_runs);
+    let _ = writeln!(s, "time             {:.2} s", r.seconds);
+    let _ = writeln!(
+        s,
         "bytes            {} in, {} out",
         r.input_bytes, r.output_bytes
     );
-    Ok(())
+    crate::cmd_build::emit(&s)
 }
