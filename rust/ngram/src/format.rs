@@ -13,7 +13,13 @@ use crate::bits::{packed_bytes, width_for};
 use crate::error::{NGramError, Result};
 
 pub const MAGIC: [u8; 8] = *b"DARTNGRM";
-pub const VERSION: u32 = 1;
+/// Version written when the file has child-bucket sections (the default).
+pub const VERSION: u32 = 2;
+/// Oldest version read: version 1 is version 2 without child buckets (`bucket_stride` 0).
+pub const MIN_VERSION: u32 = 1;
+/// Children per bucket-table entry written by default (see [`SectionKind::ChildBuckets`]):
+/// about `bucket_width / 8` bits per n-gram, searches of about 8 entries after the jump.
+pub const DEFAULT_BUCKET_STRIDE: u32 = 8;
 /// Bytes before the per-order records.
 pub const FIXED_HEADER: usize = 104;
 /// Bytes of one per-order record.
@@ -47,6 +53,10 @@ pub enum SectionKind {
     /// Order n < N: `top_list_len` child indices per listed context (relative to the context's
     /// first child, best first), packed at `top_rel_width`.
     TopLists = 7,
+    /// Order n < N (version 2): `entries(n+1) / bucket_stride` relative child offsets at the
+    /// order's `bucket_width`: each context's slice splits the token range into buckets, so
+    /// a child is found by one table read and a search of about `bucket_stride` entries.
+    ChildBuckets = 8,
 }
 
 impl SectionKind {
@@ -59,6 +69,7 @@ impl SectionKind {
             5 => SectionKind::CountValues,
             6 => SectionKind::TopContexts,
             7 => SectionKind::TopLists,
+            8 => SectionKind::ChildBuckets,
             _ => return None,
         })
     }
@@ -72,6 +83,7 @@ impl SectionKind {
             SectionKind::CountValues => "count-values",
             SectionKind::TopContexts => "top-contexts",
             SectionKind::TopLists => "top-lists",
+            SectionKind::ChildBuckets => "child-buckets",
         }
     }
 }
@@ -91,6 +103,8 @@ pub struct OrderRecord {
     pub child_width: u32,
     /// Width of the top-list entries (0 when there are no lists).
     pub top_rel_width: u32,
+    /// Width of the child-bucket entries (0 for order N and in version 1).
+    pub bucket_width: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +120,8 @@ pub struct Section {
 /// The parsed header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// [`MIN_VERSION`]..=[`VERSION`]; the writer picks 1 exactly when `bucket_stride` is 0.
+    pub version: u32,
     pub header_len: u32,
     pub order: u32,
     pub vocab_size: u32,
@@ -116,6 +132,8 @@ pub struct Header {
     pub total_tokens: u64,
     pub documents: u64,
     pub top_list_len: u32,
+    /// Children per child-bucket entry (0: no child-bucket sections, version 1).
+    pub bucket_stride: u32,
     pub orders: Vec<OrderRecord>,
     pub sections: Vec<Section>,
     pub source: String,
@@ -175,6 +193,13 @@ impl Header {
                     o,
                     packed_bytes(entries.checked_add(1)?, rec.child_width)?,
                 ));
+                if self.bucket_stride > 0 {
+                    out.push((
+                        SectionKind::ChildBuckets,
+                        o,
+                        packed_bytes(self.bucket_entries(n + 1), rec.bucket_width)?,
+                    ));
+                }
                 if rec.top_contexts > 0 {
                     out.push((
                         SectionKind::TopContexts,
@@ -193,11 +218,19 @@ impl Header {
         Some(out)
     }
 
+    /// Length of the child-bucket table of order `n - 1` (whose children are order `n`).
+    pub fn bucket_entries(&self, n: usize) -> u64 {
+        match self.bucket_stride {
+            0 => 0,
+            d => self.entries(n) / u64::from(d),
+        }
+    }
+
     /// Serialises the header (checksum included) to exactly `header_len` bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(self.header_len as usize);
         b.extend_from_slice(&MAGIC);
-        put_u32(&mut b, VERSION);
+        put_u32(&mut b, self.version);
         put_u32(&mut b, self.header_len);
         put_u32(&mut b, self.order);
         put_u32(&mut b, self.vocab_size);
@@ -210,7 +243,7 @@ impl Header {
         put_u32(&mut b, self.top_list_len);
         put_u32(&mut b, self.sections.len() as u32);
         put_u32(&mut b, self.source.len() as u32);
-        put_u32(&mut b, 0);
+        put_u32(&mut b, self.bucket_stride);
         debug_assert_eq!(b.len(), FIXED_HEADER);
         for r in &self.orders {
             put_u64(&mut b, r.ngrams);
@@ -219,7 +252,7 @@ impl Header {
             put_u32(&mut b, r.count_width);
             put_u32(&mut b, r.child_width);
             put_u32(&mut b, r.top_rel_width);
-            put_u32(&mut b, 0);
+            put_u32(&mut b, r.bucket_width);
         }
         for s in &self.sections {
             put_u32(&mut b, s.kind as u32);
@@ -264,7 +297,7 @@ impl Header {
         }
         let mut r = Reader { b: bytes, at: 8 };
         let version = r.u32();
-        if version != VERSION {
+        if !(MIN_VERSION..=VERSION).contains(&version) {
             return Err(NGramError::UnsupportedVersion {
                 path: path.to_path_buf(),
                 found: version,
@@ -303,7 +336,7 @@ impl Header {
         let top_list_len = r.u32();
         let n_sections = r.u32() as usize;
         let source_len = r.u32() as usize;
-        let _reserved = r.u32();
+        let bucket_stride = r.u32();
         if order == 0 || order > MAX_ORDER {
             return Err(corrupt(format!("order {order} outside 1..={MAX_ORDER}")));
         }
@@ -349,8 +382,8 @@ impl Header {
                 count_width: r.u32(),
                 child_width: r.u32(),
                 top_rel_width: r.u32(),
+                bucket_width: r.u32(),
             };
-            let _reserved = r.u32();
             orders.push(rec);
         }
         let mut sections = Vec::with_capacity(n_sections);
@@ -368,6 +401,7 @@ impl Header {
         }
         let source = String::from_utf8_lossy(r.take(source_len)).into_owned();
         let h = Header {
+            version,
             header_len,
             order,
             vocab_size,
@@ -378,6 +412,7 @@ impl Header {
             total_tokens,
             documents,
             top_list_len,
+            bucket_stride,
             orders,
             sections,
             source,
@@ -393,6 +428,12 @@ impl Header {
             detail,
         };
         let n_max = self.order as usize;
+        if (self.version == 1) != (self.bucket_stride == 0) {
+            return Err(corrupt(format!(
+                "bucket stride {} in a version-{} file (version 1 has none, version 2 needs one)",
+                self.bucket_stride, self.version
+            )));
+        }
         for (i, rec) in self.orders.iter().enumerate() {
             let n = i + 1;
             let entries = self.entries(n);
@@ -439,7 +480,26 @@ impl Header {
                         rec.top_rel_width
                     )));
                 }
-            } else if rec.child_width != 0 || rec.top_contexts != 0 {
+                // Bucket entries are offsets inside one context's children, so they never
+                // need more bits than the CSR offsets.
+                let bucket_ok = if self.bucket_stride == 0 {
+                    rec.bucket_width == 0
+                } else {
+                    (1..=rec.child_width).contains(&rec.bucket_width)
+                };
+                if !bucket_ok {
+                    return Err(corrupt(format!(
+                        "order {n}: child bucket width {} bits, expected {} with stride {}",
+                        rec.bucket_width,
+                        if self.bucket_stride == 0 {
+                            "0".to_string()
+                        } else {
+                            format!("1..={}", rec.child_width)
+                        },
+                        self.bucket_stride
+                    )));
+                }
+            } else if rec.child_width != 0 || rec.top_contexts != 0 || rec.bucket_width != 0 {
                 return Err(corrupt(format!(
                     "order {n} (the highest) has children: {rec:?}"
                 )));
@@ -493,6 +553,58 @@ impl Header {
         self.sections
             .iter()
             .find(|s| s.kind == kind && s.order as usize == order)
+    }
+}
+
+/// Where a context's children lie in its order's child-bucket table, and how its tokens map
+/// to buckets (the format's definition; see `docs/ngram-format.md`).
+///
+/// A context whose children are `lo..hi` in order n+1 owns table entries
+/// `lo / stride .. hi / stride` (the slices of consecutive contexts tile the table). With `b`
+/// entries it has `b + 1` buckets; token `t` falls in bucket `(t * m) >> 32`, where
+/// `m = ((b + 1) << 32) / vocab_size` (integer division), a monotone map onto `0..=b`. Entry
+/// `j` (`0 <= j < b`) is the index, relative to `lo`, of the first child in bucket `j + 1`, so
+/// bucket `k` spans `entry(k - 1) .. entry(k)` with `entry(-1) = 0` and `entry(b) = hi - lo`.
+#[derive(Clone, Copy, Debug)]
+pub struct BucketSlice {
+    /// First table entry of the context.
+    pub first: u64,
+    /// Table entries of the context (`b`); 0 = a single bucket, i.e. search all children.
+    pub entries: u64,
+    mul: u128,
+}
+
+impl BucketSlice {
+    #[inline]
+    pub fn new(lo: u64, hi: u64, stride: u32, vocab_size: u32) -> Self {
+        if stride == 0 || hi <= lo {
+            return BucketSlice {
+                first: 0,
+                entries: 0,
+                mul: 0,
+            };
+        }
+        let d = u64::from(stride);
+        let (first, end) = (lo / d, hi / d);
+        let entries = end - first;
+        let mul = if entries == 0 {
+            0
+        } else {
+            (u128::from(entries + 1) << 32) / u128::from(vocab_size.max(1))
+        };
+        BucketSlice {
+            first,
+            entries,
+            mul,
+        }
+    }
+
+    /// Bucket of token `t` (`t < vocab_size`): in `0..=entries`.
+    #[inline]
+    pub fn bucket(&self, t: u64) -> u64 {
+        // t < 2^32 and mul <= (entries + 1) * 2^32: the product fits 128 bits.
+        // The clamp only matters for ids >= vocab_size, which callers never pass.
+        (((u128::from(t) * self.mul) >> 32) as u64).min(self.entries)
     }
 }
 

@@ -16,7 +16,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::bits::{width_for, Packed};
 use crate::error::{NGramError, Result};
-use crate::format::{Header, SectionKind, FIXED_HEADER, NO_EOS, VERSION};
+use crate::format::{BucketSlice, Header, SectionKind, FIXED_HEADER, NO_EOS};
 use crate::writer::ModelMeta;
 
 /// How to open a model.
@@ -57,6 +57,8 @@ struct Level {
     /// Order < N: contexts with a top list, and the lists.
     top_ctx: Option<Col>,
     top_lists: Option<Col>,
+    /// Order < N, version 2: the child-bucket table.
+    buckets: Option<Col>,
 }
 
 /// Most context suffixes a query can have: orders are at most 64 (one-bit tokens in a u64
@@ -73,6 +75,62 @@ struct Ctx {
     lo: u64,
     hi: u64,
     count: u64,
+}
+
+/// Finds tokens among the children `lo..hi` of one context (order `order`): a jump through the
+/// context's child buckets when it has some, then a search inside the bucket.
+#[derive(Clone, Copy)]
+struct Children<'a> {
+    model: &'a NGramModel,
+    order: usize,
+    toks: Packed<'a>,
+    /// The order's bucket table, when this context has a slice of it.
+    buckets: Option<Packed<'a>>,
+    slice: BucketSlice,
+    lo: u64,
+    hi: u64,
+}
+
+impl Children<'_> {
+    /// The children range that holds `t` if any child does.
+    #[inline]
+    fn range(&self, t: u64) -> Result<(u64, u64)> {
+        let Some(b) = self.buckets else {
+            return Ok((self.lo, self.hi));
+        };
+        let n = self.hi - self.lo;
+        let (first, entries) = (self.slice.first, self.slice.entries);
+        let k = self.slice.bucket(t);
+        // Bucket k spans entry(k-1)..entry(k), entry(-1) = 0 and entry(entries) = n. The
+        // indexes are clamped into the table so both loads are unconditional (cmov, no branch).
+        let last = b.len().saturating_sub(1);
+        let s = b.get((first + k).saturating_sub(1).min(last));
+        let e = b.get((first + k).min(last));
+        let start = if k == 0 { 0 } else { s };
+        let end = if k == entries { n } else { e };
+        if start > end || end > n {
+            return Err(self.corrupt(k, start, end));
+        }
+        Ok((self.lo + start, self.lo + end))
+    }
+
+    #[cold]
+    fn corrupt(&self, k: u64, start: u64, end: u64) -> NGramError {
+        self.model.corrupt(format!(
+            "order {} child bucket {k} of children {}..{} spans {start}..{end}, outside 0..{}",
+            self.order,
+            self.lo,
+            self.hi,
+            self.hi - self.lo
+        ))
+    }
+
+    /// Index (in order `order + 1`) of the child whose token is `t`, if there is one.
+    #[inline]
+    fn find(&self, t: u64) -> Result<Option<u64>> {
+        let (lo, hi) = self.range(t)?;
+        Ok(self.toks.find(lo, hi, t))
+    }
 }
 
 /// What `info` reports (serialisable for `dart-ngram info --json` and Python).
@@ -224,6 +282,14 @@ impl NGramModel {
                     entries + 1,
                     rec.child_width,
                 )?);
+                if h.bucket_stride > 0 {
+                    lv.buckets = Some(col(
+                        SectionKind::ChildBuckets,
+                        n,
+                        h.bucket_entries(n + 1),
+                        rec.bucket_width,
+                    )?);
+                }
                 if rec.top_contexts > 0 {
                     lv.top_ctx = Some(col(
                         SectionKind::TopContexts,
@@ -314,7 +380,7 @@ impl NGramModel {
         let total: u64 = per.iter().sum();
         Info {
             path: self.path.display().to_string(),
-            format_version: VERSION,
+            format_version: self.header.version,
             bytes: self.bytes(),
             order: self.order(),
             vocab_size: self.vocab_size(),
@@ -418,6 +484,25 @@ impl NGramModel {
         Ok((lo, hi))
     }
 
+    /// Searcher of the children `lo..hi` (in order n+1) of a context of order `n < N`.
+    #[inline]
+    fn children(&self, n: usize, lo: u64, hi: u64) -> Children<'_> {
+        let lv = &self.levels[n - 1];
+        let slice = BucketSlice::new(lo, hi, self.header.bucket_stride, self.header.vocab_size);
+        Children {
+            model: self,
+            order: n,
+            toks: self.view(self.levels[n].tokens),
+            buckets: lv
+                .buckets
+                .filter(|_| slice.entries > 0)
+                .map(|c| self.view(c)),
+            slice,
+            lo,
+            hi,
+        }
+    }
+
     /// Locates `ctx` (1..N-1 tokens, already checked against the vocabulary): its children's
     /// range in the next order and its count; `None` if it was never seen.
     fn locate(&self, ctx: &[u32]) -> Result<Option<Ctx>> {
@@ -430,8 +515,7 @@ impl NGramModel {
         for (i, &t) in ctx.iter().enumerate().skip(1) {
             // `id` is at order i; find t among its children at order i+1.
             let (lo, hi) = self.children_of(i, id)?;
-            let toks = self.view(self.levels[i].tokens);
-            match toks.find(lo, hi, u64::from(t)) {
+            match self.children(i, lo, hi).find(u64::from(t))? {
                 Some(j) => {
                     id = j;
                     count = self.count_at(i + 1, j)?;
@@ -499,8 +583,7 @@ impl NGramModel {
         let Some(ctx) = self.locate(init)? else {
             return Ok(0);
         };
-        let toks = self.view(self.levels[init.len()].tokens);
-        match toks.find(ctx.lo, ctx.hi, u64::from(last)) {
+        match self.children(ctx.order, ctx.lo, ctx.hi).find(u64::from(last))? {
             Some(j) => self.count_at(tokens.len(), j),
             None => Ok(0),
         }
@@ -548,10 +631,10 @@ impl NGramModel {
             }
         }
         let ctxs = &buf[..k];
-        // The token column of each located context's children, looked up once.
-        let mut views = [Packed::trusted(&[], 0, 1); MAX_CTXS];
-        for (v, c) in views.iter_mut().zip(ctxs) {
-            *v = self.view(self.levels[c.order].tokens);
+        // Each located context's searcher (columns and bucket slice), set up once.
+        let mut kids = [None; MAX_CTXS];
+        for (v, c) in kids.iter_mut().zip(ctxs) {
+            *v = Some(self.children(c.order, c.lo, c.hi));
         }
         // Candidates go in blocks: first every search at the longest context, then the
         // misses at the next one, so independent searches overlap in the CPU.
@@ -562,13 +645,14 @@ impl NGramModel {
             let base = b * BLOCK;
             let n = cands.len();
             which[..n].fill(u8::MAX);
-            for (ci, (ctx, toks)) in ctxs.iter().zip(&views).enumerate() {
+            for (ci, ch) in kids[..k].iter().flatten().enumerate() {
                 for (i, &c) in cands.iter().enumerate() {
                     if which[i] != u8::MAX {
                         continue;
                     }
-                    let j = toks.lower_bound(ctx.lo, ctx.hi, u64::from(c));
-                    if j < ctx.hi && toks.get(j) == u64::from(c) {
+                    let (lo, hi) = ch.range(u64::from(c))?;
+                    let j = ch.toks.lower_bound(lo, hi, u64::from(c));
+                    if j < hi && ch.toks.get(j) == u64::from(c) {
                         at[i] = j;
                         which[i] = ci as u8;
                     }
@@ -614,12 +698,13 @@ impl NGramModel {
             let longer = &ctxs[..ci];
             let toks = self.view(self.levels[ctx.order].tokens);
             // A child also seen after a longer suffix takes its probability from there.
-            let overridden = |t: u64| {
-                longer.iter().any(|l| {
-                    self.view(self.levels[l.order].tokens)
-                        .find(l.lo, l.hi, t)
-                        .is_some()
-                })
+            let overridden = |t: u64| -> Result<bool> {
+                for l in longer {
+                    if self.children(l.order, l.lo, l.hi).find(t)?.is_some() {
+                        return Ok(true);
+                    }
+                }
+                Ok(false)
             };
             let n_kids = ctx.hi - ctx.lo;
             let mut taken = 0usize;
@@ -647,7 +732,7 @@ impl NGramModel {
                     let c = self.count_at(ctx.order + 1, j)?;
                     last_count = c;
                     let t = toks.get(j);
-                    if overridden(t) {
+                    if overridden(t)? {
                         continue;
                     }
                     found.push((self.ratio(c, ctx)?, t as u32));
@@ -670,7 +755,7 @@ impl NGramModel {
                 let mut kids: Vec<(u64, u32)> = Vec::with_capacity(n_kids as usize);
                 for j in ctx.lo..ctx.hi {
                     let t = toks.get(j);
-                    if !longer.is_empty() && overridden(t) {
+                    if !longer.is_empty() && overridden(t)? {
                         continue;
                     }
                     kids.push((self.count_at(ctx.order + 1, j)?, t as u32));
@@ -802,6 +887,23 @@ impl NGramModel {
                         )));
                     }
                     kids.push((c, j - lo));
+                }
+                if let Some(col) = self.levels[n - 1].buckets {
+                    let table = self.view(col);
+                    let slice = BucketSlice::new(lo, hi, h.bucket_stride, h.vocab_size);
+                    let mut r = 0u64;
+                    for j in 0..slice.entries {
+                        // Entry j: the first child in bucket j + 1 or later.
+                        while r < hi - lo && slice.bucket(toks.get(lo + r)) <= j {
+                            r += 1;
+                        }
+                        let got = table.get(slice.first + j);
+                        if got != r {
+                            return Err(self.corrupt(format!(
+                                "order {n} context {i}: child bucket entry {j} is {got}, expected {r}"
+                            )));
+                        }
+                    }
                 }
                 if hi - lo > u64::from(h.top_list_len) {
                     let ctx = Ctx {

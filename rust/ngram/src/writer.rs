@@ -22,7 +22,10 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::bits::{width_for, PackedWriter};
 use crate::error::{NGramError, Result};
-use crate::format::{Header, OrderRecord, Section, SectionKind, MAX_SOURCE, NO_EOS};
+use crate::format::{
+    BucketSlice, Header, OrderRecord, Section, SectionKind, DEFAULT_BUCKET_STRIDE, MAX_SOURCE,
+    MIN_VERSION, NO_EOS, VERSION,
+};
 use crate::key;
 
 /// What a model says about itself in its header.
@@ -84,6 +87,19 @@ pub fn write_model(
     higher: Vec<CountStream<'_>>,
     opts: &WriteOptions,
 ) -> Result<WriteReport> {
+    write_model_with_stride(path, meta, unigrams, higher, opts, DEFAULT_BUCKET_STRIDE)
+}
+
+/// [`write_model`] with `bucket_stride` children per child-bucket entry; 0 writes no buckets
+/// (a version-1 file). Kept out of [`WriteOptions`] so its struct literals stay valid.
+pub(crate) fn write_model_with_stride(
+    path: &Path,
+    meta: &ModelMeta,
+    unigrams: &[u64],
+    higher: Vec<CountStream<'_>>,
+    opts: &WriteOptions,
+    bucket_stride: u32,
+) -> Result<WriteReport> {
     let bad = |detail: String| {
         NGramError::InvalidArgument(format!("writing {}: {detail}", path.display()))
     };
@@ -143,6 +159,7 @@ pub fn write_model(
         vocab_size: meta.vocab_size,
         min_count: meta.min_count,
         top_list_len: opts.top_list_len as usize,
+        bucket_stride,
         levels: Vec::new(),
         unigrams,
     };
@@ -166,16 +183,21 @@ pub fn write_model(
             let t = spool.levels[n - 2].table.len() as u64;
             (t, width_for(t.saturating_sub(1)))
         };
-        let (child_width, top_contexts, top_rel_width) = if n < n_max {
+        let (child_width, top_contexts, top_rel_width, bucket_width) = if n < n_max {
             let child = &spool.levels[n - 1];
             let tw = if child.top_contexts > 0 {
                 width_for(child.max_listed_children - 1)
             } else {
                 0
             };
-            (width_for(child.entries), child.top_contexts, tw)
+            let bw = if bucket_stride > 0 {
+                width_for(child.max_bucket_value)
+            } else {
+                0
+            };
+            (width_for(child.entries), child.top_contexts, tw, bw)
         } else {
-            (0, 0, 0)
+            (0, 0, 0, 0)
         };
         orders.push(OrderRecord {
             ngrams,
@@ -184,6 +206,7 @@ pub fn write_model(
             count_width,
             child_width,
             top_rel_width,
+            bucket_width,
         });
     }
     let mut source = meta.source.clone();
@@ -195,6 +218,11 @@ pub fn write_model(
         source.truncate(cut);
     }
     let mut header = Header {
+        version: if bucket_stride == 0 {
+            MIN_VERSION
+        } else {
+            VERSION
+        },
         header_len: 0,
         order: n_max as u32,
         vocab_size: meta.vocab_size,
@@ -205,6 +233,7 @@ pub fn write_model(
         total_tokens: meta.total_tokens,
         documents: meta.documents,
         top_list_len: opts.top_list_len,
+        bucket_stride,
         orders,
         sections: Vec::new(),
         source,
@@ -282,6 +311,9 @@ struct Level {
     top_ids: File,
     top_lists: File,
     max_listed_children: u64,
+    /// The parents' child-bucket table (`entries / stride` u64 values) and its largest value.
+    buckets: File,
+    max_bucket_value: u64,
 }
 
 struct Spool<'p> {
@@ -291,8 +323,61 @@ struct Spool<'p> {
     vocab_size: u32,
     min_count: u64,
     top_list_len: usize,
+    bucket_stride: u32,
     levels: Vec<Level>,
     unigrams: &'p [u64],
+}
+
+/// What closing a parent writes: its CSR end offset, its top list if it has many children,
+/// and its child-bucket entries.
+struct ParentSink {
+    offs: BufWriter<File>,
+    top_ids: BufWriter<File>,
+    top_lists: BufWriter<File>,
+    buckets: BufWriter<File>,
+    top_list_len: usize,
+    bucket_stride: u32,
+    vocab_size: u32,
+    top_contexts: u64,
+    max_listed: u64,
+    max_bucket: u64,
+    /// Children of the current parent: (count, relative index), and their tokens.
+    kids: Vec<(u64, u64)>,
+    kid_tokens: Vec<u64>,
+}
+
+impl ParentSink {
+    /// Closes parent `ctx`, whose children end at `entries`.
+    fn close(&mut self, ctx: u64, entries: u64) -> io::Result<()> {
+        self.offs.write_all(&entries.to_le_bytes())?;
+        let n_kids = self.kids.len();
+        if n_kids > self.top_list_len {
+            let l = self.top_list_len;
+            let better = |a: &(u64, u64), b: &(u64, u64)| b.0.cmp(&a.0).then(a.1.cmp(&b.1));
+            self.kids.select_nth_unstable_by(l - 1, better);
+            self.kids[..l].sort_unstable_by(better);
+            self.top_ids.write_all(&ctx.to_le_bytes())?;
+            for &(_, rel) in &self.kids[..l] {
+                self.top_lists.write_all(&rel.to_le_bytes())?;
+            }
+            self.top_contexts += 1;
+            self.max_listed = self.max_listed.max(n_kids as u64);
+        }
+        let lo = entries - n_kids as u64;
+        let b = BucketSlice::new(lo, entries, self.bucket_stride, self.vocab_size);
+        // Entry j - 1: the first child whose bucket is >= j (tokens ascend, so do buckets).
+        let mut r = 0usize;
+        for j in 1..=b.entries {
+            while r < n_kids && b.bucket(self.kid_tokens[r]) < j {
+                r += 1;
+            }
+            self.buckets.write_all(&(r as u64).to_le_bytes())?;
+            self.max_bucket = self.max_bucket.max(r as u64);
+        }
+        self.kids.clear();
+        self.kid_tokens.clear();
+        Ok(())
+    }
 }
 
 /// Sequential reader of the parent order's `(key, count)` pairs.
@@ -378,48 +463,28 @@ impl Spool<'_> {
             }
         };
         let mut raw = self.scratch()?;
-        let mut offs = self.scratch()?;
-        let mut top_ids = self.scratch()?;
-        let mut top_lists = self.scratch()?;
+        let mut sink = ParentSink {
+            offs: self.scratch()?,
+            top_ids: self.scratch()?,
+            top_lists: self.scratch()?,
+            buckets: self.scratch()?,
+            top_list_len: self.top_list_len,
+            bucket_stride: self.bucket_stride,
+            vocab_size: self.vocab_size,
+            top_contexts: 0,
+            max_listed: 0,
+            max_bucket: 0,
+            kids: Vec::new(),
+            kid_tokens: Vec::new(),
+        };
         let mut table: FxHashSet<u64> = FxHashSet::default();
         let mut entries = 0u64;
-        let mut top_contexts = 0u64;
-        let mut max_listed = 0u64;
         // The parent whose children are being read: (index, key, count).
         let mut cur: Option<(u64, u64, u64)> = None;
         let mut parent_index = 0u64;
-        // Children of the current parent: (count, relative index).
-        let mut kids: Vec<(u64, u64)> = Vec::new();
         let mut prev_key: Option<u64> = None;
         let w = |f: &mut BufWriter<File>, v: u64| f.write_all(&v.to_le_bytes());
-        w(&mut offs, 0).map_err(|e| self.io(e))?;
-
-        // Closes the current parent: its end offset, and its top list if it has many children.
-        let close = |kids: &mut Vec<(u64, u64)>,
-                     ctx: u64,
-                     entries: u64,
-                     offs: &mut BufWriter<File>,
-                     top_ids: &mut BufWriter<File>,
-                     top_lists: &mut BufWriter<File>,
-                     top_contexts: &mut u64,
-                     max_listed: &mut u64|
-         -> io::Result<()> {
-            offs.write_all(&entries.to_le_bytes())?;
-            if kids.len() > self.top_list_len {
-                let l = self.top_list_len;
-                let better = |a: &(u64, u64), b: &(u64, u64)| b.0.cmp(&a.0).then(a.1.cmp(&b.1));
-                kids.select_nth_unstable_by(l - 1, better);
-                kids[..l].sort_unstable_by(better);
-                top_ids.write_all(&ctx.to_le_bytes())?;
-                for &(_, rel) in &kids[..l] {
-                    top_lists.write_all(&rel.to_le_bytes())?;
-                }
-                *top_contexts += 1;
-                *max_listed = (*max_listed).max(kids.len() as u64);
-            }
-            kids.clear();
-            Ok(())
-        };
+        w(&mut sink.offs, 0).map_err(|e| self.io(e))?;
 
         for item in stream {
             let (k, count) = item?;
@@ -469,17 +534,7 @@ impl Spool<'_> {
                 match cur {
                     Some((_, ck, _)) if ck == pk => break,
                     Some((ci, ck, _)) if ck < pk => {
-                        close(
-                            &mut kids,
-                            ci,
-                            entries,
-                            &mut offs,
-                            &mut top_ids,
-                            &mut top_lists,
-                            &mut top_contexts,
-                            &mut max_listed,
-                        )
-                        .map_err(|e| self.io(e))?;
+                        sink.close(ci, entries).map_err(|e| self.io(e))?;
                         cur = None;
                     }
                     Some(_) => {
@@ -530,7 +585,8 @@ impl Spool<'_> {
                     ),
                 ));
             }
-            kids.push((count, kids.len() as u64));
+            sink.kids.push((count, sink.kids.len() as u64));
+            sink.kid_tokens.push(last);
             table.insert(count);
             w(&mut raw, k).map_err(|e| self.io(e))?;
             w(&mut raw, count).map_err(|e| self.io(e))?;
@@ -538,20 +594,10 @@ impl Spool<'_> {
         }
         // Close the current parent and every parent after it.
         if let Some((ci, _, _)) = cur {
-            close(
-                &mut kids,
-                ci,
-                entries,
-                &mut offs,
-                &mut top_ids,
-                &mut top_lists,
-                &mut top_contexts,
-                &mut max_listed,
-            )
-            .map_err(|e| self.io(e))?;
+            sink.close(ci, entries).map_err(|e| self.io(e))?;
         }
         while parents.next().map_err(|e| self.io(e))?.is_some() {
-            w(&mut offs, entries).map_err(|e| self.io(e))?;
+            w(&mut sink.offs, entries).map_err(|e| self.io(e))?;
         }
         let mut table: Vec<u64> = table.into_iter().collect();
         table.sort_unstable();
@@ -560,11 +606,13 @@ impl Spool<'_> {
             entries,
             raw: done(raw).map_err(|e| self.io(e))?,
             table,
-            parent_offsets: done(offs).map_err(|e| self.io(e))?,
-            top_contexts,
-            top_ids: done(top_ids).map_err(|e| self.io(e))?,
-            top_lists: done(top_lists).map_err(|e| self.io(e))?,
-            max_listed_children: max_listed,
+            parent_offsets: done(sink.offs).map_err(|e| self.io(e))?,
+            top_contexts: sink.top_contexts,
+            top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
+            top_lists: done(sink.top_lists).map_err(|e| self.io(e))?,
+            max_listed_children: sink.max_listed,
+            buckets: done(sink.buckets).map_err(|e| self.io(e))?,
+            max_bucket_value: sink.max_bucket,
         };
         self.levels.push(level);
         Ok(())
@@ -633,6 +681,15 @@ impl Spool<'_> {
                 let width = width_for(header.entries(n).saturating_sub(1));
                 let mut p = PackedWriter::new(out, width);
                 for _ in 0..child.top_contexts {
+                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                }
+                p.finish().map_err(io)?;
+            }
+            SectionKind::ChildBuckets => {
+                let child = &self.levels[n - 1];
+                let mut r = rewind(&child.buckets).map_err(io)?;
+                let mut p = PackedWriter::new(out, rec.bucket_width);
+                for _ in 0..header.bucket_entries(n + 1) {
                     p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
                 }
                 p.finish().map_err(io)?;

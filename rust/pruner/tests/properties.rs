@@ -616,3 +616,92 @@ fn pruner_is_shareable_across_threads() {
     assert_eq!(p.context_tail_len(), 2);
     assert_eq!(p.eos_id(), Some(9));
 }
+
+/// Draft-like requests at the real workload's size (k = 25, 8 levels, beam 20, 60 nodes):
+/// peaked rows over a vocabulary whose corpus makes n-gram hits common.
+fn realistic_case() -> impl Strategy<Value = (Vec<Vec<u32>>, Vec<u32>, Vec<u32>, Vec<f32>)> {
+    let vocab = 60u32;
+    (
+        prop::collection::vec(prop::collection::vec(0..vocab / 3, 5..80), 20..40),
+        prop::collection::vec(0..vocab, 2..6),
+        prop::collection::vec(Just((0..vocab).collect::<Vec<u32>>()).prop_shuffle(), 8),
+        prop::collection::vec(0.0f64..2.0, 8 * 25),
+    )
+        .prop_map(|(docs, context, rows, noise)| {
+            let ids = rows.iter().flat_map(|r| r[..25].to_vec()).collect();
+            let mut probs = Vec::with_capacity(200);
+            for l in 0..8 {
+                let logits: Vec<f64> = (0..25)
+                    .map(|j| -0.35 * j as f64 + noise[l * 25 + j])
+                    .collect();
+                let z: f64 = logits.iter().map(|x| x.exp()).sum();
+                probs.extend(logits.iter().map(|x| (x.exp() / z) as f32));
+            }
+            (docs, context, ids, probs)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    #[test]
+    fn realistic_sizes_agree_with_slow_reference((docs, context, ids, probs) in realistic_case()) {
+        let scorer = BruteScorer::from_documents(3, 60, Some(59), &docs);
+        let req = DraftRequest { context: &context, topk_ids: &ids, topk_probs: &probs, levels: 8, k: 25, budget: None };
+        for config in [PrunerConfig::default(), PrunerConfig { max_nodes: 200, beam_width: 8, ..Default::default() }] {
+            let tree = Pruner::new(&scorer, config.clone()).unwrap().prune(&req).unwrap();
+            check_structure(&tree, *context.last().unwrap(), config.max_nodes);
+            assert_matches_slow(&tree, &slow_prune(&scorer, &config, &req));
+        }
+    }
+}
+
+#[test]
+fn lookups_that_cannot_change_the_tree_are_skipped() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Counting<'a>(&'a BruteScorer, AtomicUsize);
+    impl NGramScorer for Counting<'_> {
+        fn order(&self) -> usize {
+            self.0.order
+        }
+        fn vocab_size(&self) -> u32 {
+            self.0.vocab_size
+        }
+        fn eos_id(&self) -> Option<u32> {
+            self.0.eos
+        }
+        fn prob_many(&self, c: &[u32], t: &[u32], p: &mut [f32]) -> Result<(), PrunerError> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.prob_many(c, t, p)
+        }
+    }
+    // Level-1+ rows strongly peaked: the best parents' children fill both cuts.
+    let docs: Vec<Vec<u32>> = (0..50)
+        .map(|d| (0..40).map(|i| (d * 7 + i * 3) % 30).collect())
+        .collect();
+    let scorer = BruteScorer::from_documents(3, 60, None, &docs);
+    let ids: Vec<u32> = (0..8)
+        .flat_map(|l| (0..25).map(move |j| (l * 5 + j) % 60))
+        .collect();
+    let probs: Vec<f32> = (0..8)
+        .flat_map(|_| (0..25).map(|j| if j == 0 { 0.9 } else { 0.1 / 24.0 }))
+        .collect();
+    let req = DraftRequest {
+        context: &[1, 4],
+        topk_ids: &ids,
+        topk_probs: &probs,
+        levels: 8,
+        k: 25,
+        budget: None,
+    };
+    let counting = Counting(&scorer, AtomicUsize::new(0));
+    let tree = Pruner::new(&counting, PrunerConfig::default())
+        .unwrap()
+        .prune(&req)
+        .unwrap();
+    let calls = counting.1.load(Ordering::Relaxed);
+    // Without skipping: one call per beam path of levels 1..8 = 7 x 20 = 140.
+    assert!(calls < 140, "{calls} lookups");
+    eprintln!("{calls} of 140 lookups made");
+    assert_matches_slow(&tree, &slow_prune(&scorer, &PrunerConfig::default(), &req));
+}
