@@ -1,7 +1,10 @@
 """The README's main job on the embedded default.
 
-Builds (once, then cached) a 3-gram model of ShareGPT's training split with SmolLM2's
-tokenizer, then shows its size, build time and a few queries.
+1. Builds (once, then cached) a 3-gram model of ShareGPT's training split with SmolLM2's
+   tokenizer, and shows its size, build time and a few queries.
+2. Generates replies to a few prompts with SmolLM2-135M-Instruct (bf16, CPU) twice: plain
+   autoregressive decoding and DART with the shipped head, and prints both speeds, tau and
+   whether the outputs are identical (they must be: greedy DART is lossless).
 """
 
 from __future__ import annotations
@@ -35,8 +38,15 @@ def ngram_demo(memory: str = "2G") -> None:
     open_ms = (time.perf_counter() - start) * 1e3
     info = ng.info()
     print(f"opened in {open_ms:.2f} ms")
-    for key in ("order", "vocab_size", "total_tokens", "documents", "ngrams_per_order", "bytes",
-                "bytes_per_ngram"):
+    for key in (
+        "order",
+        "vocab_size",
+        "total_tokens",
+        "documents",
+        "ngrams_per_order",
+        "bytes",
+        "bytes_per_ngram",
+    ):
         if key in info:
             print(f"  {key}: {info[key]}")
 
@@ -45,16 +55,79 @@ def ngram_demo(memory: str = "2G") -> None:
         context = tokenizer.encode(text, add_special_tokens=False)
         ids, probs = ng.top_k(context, 5)
         shown = ", ".join(
-            f"{tokenizer.decode([int(t)])!r} {float(p):.3f}" for t, p in zip(ids, probs)
+            f"{tokenizer.decode([int(t)])!r} {float(p):.3f}"
+            for t, p in zip(ids, probs, strict=True)
         )
         print(f"{text!r} -> {shown}")
+
+
+DEMO_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Give me three tips for writing a clear email to a colleague.",
+]
+
+
+def generation_demo(max_new_tokens: int, threads: int | None) -> None:
+    import torch
+
+    from dart_client.dart_model import DartModel
+    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.ngram import NGram
+
+    if threads:
+        torch.set_num_threads(threads)
+    head = embedded.shipped_head()
+    model = DartModel.from_pretrained(embedded.smollm2_gguf(), head, torch_dtype=torch.bfloat16)
+    dart = DartModel(
+        model.target,
+        model.head,
+        tokenizer=model.tokenizer,
+        ngram=NGram.open(ensure_ngram().path),
+        template=model.template,
+    )
+    print(
+        f"\nSmolLM2-135M-Instruct bf16 on CPU, head {head.name}, greedy, "
+        f"{max_new_tokens} new tokens per prompt"
+    )
+    # One short warm-up of each, so first-call costs don't count.
+    for generate in (ar_generate, dart_generate):
+        generate(dart, messages=[{"role": "user", "content": "Hi"}], max_new_token_num=8)
+    totals = {"ar": [0, 0.0], "dart": [0, 0.0]}
+    steps = accepted = 0
+    for prompt in DEMO_PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        ar = ar_generate(dart, messages=messages, max_new_token_num=max_new_tokens)
+        out = dart_generate(dart, messages=messages, max_new_token_num=max_new_tokens)
+        for name, result in (("ar", ar), ("dart", out)):
+            totals[name][0] += len(result.tokens)
+            totals[name][1] += result.elapsed
+        steps += out.steps
+        accepted += sum(out.accept_lengths[1:])
+        same = "identical" if list(ar.tokens) == list(out.tokens) else "DIFFERENT"
+        print(
+            f"\n> {prompt}\n{out.text.strip()}\n"
+            f"[AR {ar.tokens_per_second:.1f} tok/s | DART {out.tokens_per_second:.1f} tok/s, "
+            f"tau {out.tau:.2f} | outputs {same}]"
+        )
+    ar_speed = totals["ar"][0] / totals["ar"][1]
+    dart_speed = totals["dart"][0] / totals["dart"][1]
+    print(
+        f"\noverall: autoregressive {ar_speed:.1f} tok/s, DART {dart_speed:.1f} tok/s "
+        f"({dart_speed / ar_speed:.2f}x), tau {accepted / max(steps, 1):.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--memory", default="2G", help="memory budget of the n-gram build")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--skip-generation", action="store_true")
     args = parser.parse_args(argv)
     ngram_demo(memory=args.memory)
+    if not args.skip_generation:
+        generation_demo(args.max_new_tokens, args.threads)
 
 
 if __name__ == "__main__":

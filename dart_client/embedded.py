@@ -9,10 +9,10 @@ under :func:`cache_dir` and rebuilt only when missing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
-import importlib.util
 from pathlib import Path
 
 from dart_client.errors import MissingResourceError
@@ -84,3 +84,17 @@ def smollm2_eos_id() -> int:
         if added.get("content") == eos:
             return int(added["id"])
     raise MissingResourceError(f"eos token {eos!r} not found in the exported tokenizer")
+
+
+#: The head trained for the embedded target, shipped inside the package (bf16 safetensors).
+SHIPPED_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2-135m-dart"
+
+
+def shipped_head() -> Path:
+    """Directory of the DART head shipped for SmolLM2-135M-Instruct."""
+    if not (SHIPPED_HEAD_DIR / "model.safetensors").is_file():
+        raise MissingResourceError(
+            f"{SHIPPED_HEAD_DIR} holds no trained head (model.safetensors); "
+            "train one with `dart-train` (see heads/README.md)"
+        )
+    return SHIPPED_HEAD_DIR

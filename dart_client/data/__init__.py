@@ -1,6 +1,5 @@
 """Conversation corpora: tolerant readers, one normalised shape, and the held-out split."""
 
-from dart_client.data.corpus import export_text_jsonl, render
 from dart_client.data.conversations import (
     Conversation,
     ReadReport,
@@ -8,6 +7,7 @@ from dart_client.data.conversations import (
     is_held_out,
     read_sharegpt,
 )
+from dart_client.data.corpus import export_text_jsonl, render
 
 __all__ = [
     "Conversation",
