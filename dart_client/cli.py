@@ -23,7 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("dart_client.cli:chat_main", "interactive chat with streamed replies"),
     "train": ("dart_client.train.cli:train_main", "train a DART head"),
     "eval-head": ("dart_client.train.cli:eval_main", "measure a head's acceptance"),
-    "demo": ("dart_client.demo:main", "the embedded-default demo"),
+    "demo": ("dart_client.cli:demo_main", "the embedded-default demo (--ui: side-by-side page)"),
+    "bench": ("dart_client.bench.cli:main", "benchmark DART against the baselines (dart-bench)"),
 }
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
@@ -103,9 +104,37 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-length", type=int, default=2048)
-    g.add_argument("--tree-budget", type=int, default=None)
+    g.add_argument(
+        "--tree-budget",
+        type=_tree_budget,
+        default=None,
+        help="draft nodes per step, or 'auto' (measured on this machine)",
+    )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
+
+
+def _tree_budget(value: str) -> int | str | None:
+    from dart_client.autotune import parse_tree_budget
+
+    try:
+        return parse_tree_budget(value)
+    except DartError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def demo_main(argv: Sequence[str]) -> int:
+    """``dart demo``: the n-gram demo; ``dart demo --ui [--port N]``: the side-by-side page."""
+    args = list(argv)
+    if "--ui" in args:
+        args.remove("--ui")
+        from dart_client.ui.app import main as ui_main
+
+        return ui_main(args)
+    from dart_client.demo import main as ngram_demo_main
+
+    ngram_demo_main(args)
+    return 0
 
 
 def load_model(args: argparse.Namespace) -> Any:

@@ -38,6 +38,9 @@ class DartModel:
     Build it with :meth:`from_pretrained` (paths or hub ids) or directly from loaded parts:
     ``DartModel(target_model, head, tokenizer=tok, ngram=NGram.open(...))``. ``head`` and
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
+    ``tree_budget`` is the default node budget of ``dart_generate`` (an int, or ``"auto"``:
+    measured on this machine by :mod:`dart_client.autotune`, whose result lands in
+    ``tree_tuning``).
     """
 
     def __init__(
@@ -51,7 +54,16 @@ class DartModel:
         pruner_config: Any = None,
         tree_builder: TreeBuilder | None = None,
         template: str | ChatTemplate | None = None,
+        tree_budget: int | str | None = None,
     ) -> None:
+        if tree_budget not in (None, "auto") and (
+            isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 0
+        ):
+            raise InvalidArgumentError(
+                f"tree_budget must be an int >= 0, 'auto' or None, got {tree_budget!r}"
+            )
+        self.tree_budget = tree_budget
+        self.tree_tuning: Any = None
         if not isinstance(target, TargetModel):
             target = TargetModel(target, tokenizer)
         elif tokenizer is not None and target.tokenizer is None:
@@ -98,13 +110,15 @@ class DartModel:
         pruner_config: Any = None,
         template: str | ChatTemplate | None = None,
         double_final_norm: bool | None = None,
+        tree_budget: int | str | None = None,
         **hf_kwargs: Any,
     ) -> DartModel:
         """Load the target (local path, hub id or a ``.gguf`` file), the head and the n-gram.
 
         The n-gram is a ``.ngram`` file, a directory holding ``full``/``small`` models
         (``is_small_ngram`` picks), a reference ``.trie`` (converted once and cached), or is
-        served by the n-gram daemon at ``ngram_server`` (``host:port``).
+        served by the n-gram daemon at ``ngram_server`` (``host:port``). ``tree_budget="auto"``
+        tunes the budget now, at load time (a few seconds: see :mod:`dart_client.autotune`).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,7 +149,7 @@ class DartModel:
             pruner = _remote_pruner(ngram_server, pruner_config)
         elif ngram_model_name_or_path is not None:
             ngram = load_ngram(ngram_model_name_or_path, is_small=is_small_ngram)
-        return cls(
+        dart = cls(
             TargetModel(model, tokenizer),
             head,
             tokenizer=tokenizer,
@@ -143,7 +157,13 @@ class DartModel:
             pruner=pruner,
             pruner_config=pruner_config,
             template=template,
+            tree_budget=tree_budget,
         )
+        if tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
+            from dart_client.autotune import auto_budget
+
+            auto_budget(dart)
+        return dart
 
     # -- inputs -------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ def dart_generate(
     max_new_token_num: int = 512,
     max_length: int = 2048,
     stop: str | Sequence[str] | None = None,
-    tree_budget: int | None = None,
+    tree_budget: int | str | None = None,
     stream: bool = False,
     seed: int | None = None,
 ) -> GenerationResult | GenerationStream:
@@ -149,7 +149,9 @@ def dart_generate(
     template) or ``input_ids`` is given. ``temperature == 0`` is greedy (token for token the
     target's own greedy output); otherwise sampling with ``top_p``/``top_k`` is lossless.
     ``max_length`` bounds prompt + new tokens (the KV caches never exceed it);
-    ``tree_budget`` overrides the pruner's node budget. ``stream=True`` returns a
+    ``tree_budget`` overrides the pruner's node budget (default: the model's ``tree_budget``);
+    ``"auto"`` uses the budget :mod:`dart_client.autotune` measures fastest on this machine
+    (tuned once per model). ``stream=True`` returns a
     :class:`GenerationStream` of text deltas and per-step statistics.
     """
     if model.head is None or model.tree_builder is None:
@@ -186,7 +188,7 @@ def ar_generate(
     max_new_token_num: int = 512,
     max_length: int = 2048,
     stop: str | Sequence[str] | None = None,
-    tree_budget: int | None = None,
+    tree_budget: int | str | None = None,
     stream: bool = False,
     seed: int | None = None,
 ) -> GenerationResult | GenerationStream:
@@ -221,11 +223,19 @@ def _generate(
     max_new_token_num: int,
     max_length: int,
     stop: str | Sequence[str] | None,
-    tree_budget: int | None,
+    tree_budget: int | str | None,
     stream: bool,
     seed: int | None,
 ) -> GenerationResult | GenerationStream:
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if tree_budget is None:
+        tree_budget = getattr(model, "tree_budget", None)
+    if tree_budget == "auto" and mode == "dart":
+        from dart_client.autotune import auto_budget
+
+        tree_budget = auto_budget(model)
+    elif tree_budget == "auto":
+        tree_budget = None  # autoregressive decoding has no tree
     _check_int("max_new_token_num", max_new_token_num, minimum=1)
     _check_int("max_length", max_length, minimum=2)
     if tree_budget is not None:

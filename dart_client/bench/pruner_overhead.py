@@ -62,11 +62,11 @@ def draft_requests(
     return out
 
 
-def per_call(fn: Callable[[], Any], repeats: int) -> list[float]:
+def per_call(repeats: int, fn: Callable[..., Any], *args: Any) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return times
 
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     for context, ids, probs in reqs:
         tail = np.asarray(context[-native.context_tail_len :], dtype=np.int64)
         results["rust"] += native.time_prune(tail, ids, probs, args.repeats).tolist()
-        results["native"] += per_call(lambda: native.prune(tail, ids, probs), args.repeats)
-        results["python"] += per_call(lambda: pruner.prune(context, ids, probs), args.repeats)
+        results["native"] += per_call(args.repeats, native.prune, tail, ids, probs)
+        results["python"] += per_call(args.repeats, pruner.prune, context, ids, probs)
         tc, ti, tp = torch.tensor(context), torch.from_numpy(ids), torch.from_numpy(probs)
-        results["torch"] += per_call(lambda: pruner.prune(tc, ti, tp), args.repeats)
+        results["torch"] += per_call(args.repeats, pruner.prune, tc, ti, tp)
 
     p50 = {k: float(np.percentile(v, 50)) * 1e6 for k, v in results.items()}
     p90 = {k: float(np.percentile(v, 90)) * 1e6 for k, v in results.items()}

@@ -54,9 +54,13 @@ pub enum SectionKind {
     /// first child, best first), packed at `top_rel_width`.
     TopLists = 7,
     /// Order n < N (version 2): `entries(n+1) / bucket_stride` relative child offsets at the
-    /// order's `bucket_width`: each context's slice splits the token range into buckets, so
-    /// a child is found by one table read and a search of about `bucket_stride` entries.
+    /// order's `bucket_width`: each context's slice splits its children into buckets by token
+    /// key, so a child is found by one table read and a search of a few entries.
     ChildBuckets = 8,
+    /// Order 1 (version 2): `vocab_size` token keys, `u32` LE, non-decreasing in the token id
+    /// (the writer's: the share of stored n-grams of orders >= 2 that end in a smaller id,
+    /// scaled to 2^32), padded with zeros to a multiple of 8 bytes.
+    TokenKeys = 9,
 }
 
 impl SectionKind {
@@ -70,6 +74,7 @@ impl SectionKind {
             6 => SectionKind::TopContexts,
             7 => SectionKind::TopLists,
             8 => SectionKind::ChildBuckets,
+            9 => SectionKind::TokenKeys,
             _ => return None,
         })
     }
@@ -84,6 +89,7 @@ impl SectionKind {
             SectionKind::TopContexts => "top-contexts",
             SectionKind::TopLists => "top-lists",
             SectionKind::ChildBuckets => "child-buckets",
+            SectionKind::TokenKeys => "token-keys",
         }
     }
 }
@@ -170,6 +176,9 @@ impl Header {
                     o,
                     packed_bytes(entries, rec.count_width)?,
                 ));
+                if self.bucket_stride > 0 {
+                    out.push((SectionKind::TokenKeys, o, token_keys_bytes(entries)?));
+                }
             } else {
                 out.push((
                     SectionKind::Tokens,
@@ -556,55 +565,47 @@ impl Header {
     }
 }
 
-/// Where a context's children lie in its order's child-bucket table, and how its tokens map
-/// to buckets (the format's definition; see `docs/ngram-format.md`).
+/// Byte length of the token-keys section of a `vocab_size`-token vocabulary.
+pub fn token_keys_bytes(vocab_size: u64) -> Option<u64> {
+    Some(vocab_size.checked_mul(4)?.div_ceil(8) * 8)
+}
+
+/// Where a context's children lie in its order's child-bucket table, and which bucket a token
+/// key falls in (the format's definition; see `docs/ngram-format.md`).
 ///
 /// A context whose children are `lo..hi` in order n+1 owns table entries
 /// `lo / stride .. hi / stride` (the slices of consecutive contexts tile the table). With `b`
-/// entries it has `b + 1` buckets; token `t` falls in bucket `(t * m) >> 32`, where
-/// `m = ((b + 1) << 32) / vocab_size` (integer division), a monotone map onto `0..=b`. Entry
-/// `j` (`0 <= j < b`) is the index, relative to `lo`, of the first child in bucket `j + 1`, so
-/// bucket `k` spans `entry(k - 1) .. entry(k)` with `entry(-1) = 0` and `entry(b) = hi - lo`.
-#[derive(Clone, Copy, Debug)]
+/// entries it has `b + 1` buckets; a token whose key is `key` falls in bucket
+/// `(key * (b + 1)) >> 32`, a monotone map onto `0..=b`. Entry `j` (`0 <= j < b`) is the
+/// index, relative to `lo`, of the first child in bucket `j + 1` or later, so bucket `k` spans
+/// `entry(k - 1) .. entry(k)` with `entry(-1) = 0` and `entry(b) = hi - lo`.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct BucketSlice {
     /// First table entry of the context.
     pub first: u64,
     /// Table entries of the context (`b`); 0 = a single bucket, i.e. search all children.
     pub entries: u64,
-    mul: u128,
 }
 
 impl BucketSlice {
     #[inline]
-    pub fn new(lo: u64, hi: u64, stride: u32, vocab_size: u32) -> Self {
+    pub fn new(lo: u64, hi: u64, stride: u32) -> Self {
         if stride == 0 || hi <= lo {
-            return BucketSlice {
-                first: 0,
-                entries: 0,
-                mul: 0,
-            };
+            return BucketSlice::default();
         }
         let d = u64::from(stride);
-        let (first, end) = (lo / d, hi / d);
-        let entries = end - first;
-        let mul = if entries == 0 {
-            0
-        } else {
-            (u128::from(entries + 1) << 32) / u128::from(vocab_size.max(1))
-        };
+        let first = lo / d;
         BucketSlice {
             first,
-            entries,
-            mul,
+            entries: hi / d - first,
         }
     }
 
-    /// Bucket of token `t` (`t < vocab_size`): in `0..=entries`.
+    /// Bucket (in `0..=entries`) of a token whose key is `key`.
     #[inline]
-    pub fn bucket(&self, t: u64) -> u64 {
-        // t < 2^32 and mul <= (entries + 1) * 2^32: the product fits 128 bits.
-        // The clamp only matters for ids >= vocab_size, which callers never pass.
-        (((u128::from(t) * self.mul) >> 32) as u64).min(self.entries)
+    pub fn bucket(&self, key: u32) -> u64 {
+        // key < 2^32, so the product fits 128 bits and the result is at most `entries`.
+        ((u128::from(key) * u128::from(self.entries + 1)) >> 32) as u64
     }
 }
 

@@ -61,6 +61,15 @@ struct Level {
     buckets: Option<Col>,
 }
 
+/// Halvings a branchless binary search over `len` entries needs to narrow them to one.
+#[inline]
+fn rounds(len: u64) -> usize {
+    (64 - len.saturating_sub(1).leading_zeros()) as usize
+}
+
+/// Size of the candidate blocks of `prob_many` (their search state lives on the stack).
+const BLOCK: usize = 64;
+
 /// Most context suffixes a query can have: orders are at most 64 (one-bit tokens in a u64
 /// key), so at most 63 suffixes.
 const MAX_CTXS: usize = 64;
@@ -92,15 +101,15 @@ struct Children<'a> {
 }
 
 impl Children<'_> {
-    /// The children range that holds `t` if any child does.
-    #[inline]
-    fn range(&self, t: u64) -> Result<(u64, u64)> {
+    /// The children range that holds the token whose key is `key`, if any child does.
+    #[inline(always)]
+    fn range(&self, key: u32) -> Result<(u64, u64)> {
         let Some(b) = self.buckets else {
             return Ok((self.lo, self.hi));
         };
         let n = self.hi - self.lo;
         let (first, entries) = (self.slice.first, self.slice.entries);
-        let k = self.slice.bucket(t);
+        let k = self.slice.bucket(key);
         // Bucket k spans entry(k-1)..entry(k), entry(-1) = 0 and entry(entries) = n. The
         // indexes are clamped into the table so both loads are unconditional (cmov, no branch).
         let last = b.len().saturating_sub(1);
@@ -128,7 +137,7 @@ impl Children<'_> {
     /// Index (in order `order + 1`) of the child whose token is `t`, if there is one.
     #[inline]
     fn find(&self, t: u64) -> Result<Option<u64>> {
-        let (lo, hi) = self.range(t)?;
+        let (lo, hi) = self.range(self.model.token_key(t))?;
         Ok(self.toks.find(lo, hi, t))
     }
 }
@@ -171,6 +180,8 @@ pub struct NGramModel {
     map: Mmap,
     header: Header,
     levels: Vec<Level>,
+    /// Version 2: byte offset of the token keys (`vocab_size` u32 LE).
+    keys: Option<usize>,
 }
 
 impl std::fmt::Debug for NGramModel {
@@ -216,8 +227,13 @@ impl NGramModel {
             map,
             header,
             levels: Vec::new(),
+            keys: None,
         };
         model.levels = model.build_levels()?;
+        model.keys = model
+            .header
+            .section(SectionKind::TokenKeys, 1)
+            .map(|s| s.offset as usize);
         if opts.huge_pages {
             // Best effort: kernels without THP for file mappings just decline.
             let _ = model.map.advise(Advice::HugePage);
@@ -484,11 +500,23 @@ impl NGramModel {
         Ok((lo, hi))
     }
 
+    /// Bucket key of token `t` (0 in version 1, which has no buckets). Ids past the vocabulary
+    /// (only a corrupt token column has them) read the last key rather than another section.
+    #[inline]
+    fn token_key(&self, t: u64) -> u32 {
+        let Some(off) = self.keys else {
+            return 0;
+        };
+        let t = t.min(u64::from(self.header.vocab_size) - 1) as usize;
+        let at = off + 4 * t;
+        u32::from_le_bytes(self.map[at..at + 4].try_into().expect("4 bytes"))
+    }
+
     /// Searcher of the children `lo..hi` (in order n+1) of a context of order `n < N`.
     #[inline]
     fn children(&self, n: usize, lo: u64, hi: u64) -> Children<'_> {
         let lv = &self.levels[n - 1];
-        let slice = BucketSlice::new(lo, hi, self.header.bucket_stride, self.header.vocab_size);
+        let slice = BucketSlice::new(lo, hi, self.header.bucket_stride);
         Children {
             model: self,
             order: n,
@@ -611,64 +639,102 @@ impl NGramModel {
         for &c in candidates {
             self.check_token(c)?;
         }
-        let mut buf = [Ctx {
-            order: 0,
-            id: 0,
-            lo: 0,
-            hi: 0,
-            count: 0,
-        }; MAX_CTXS];
         let max = self.order() - 1;
         let ctx = &context[context.len().saturating_sub(max)..];
         for &t in ctx {
             self.check_token(t)?;
         }
-        let mut k = 0;
-        for len in (1..=ctx.len()).rev() {
-            if let Some(c) = self.locate(&ctx[ctx.len() - len..])? {
-                buf[k] = c;
-                k += 1;
-            }
-        }
-        let ctxs = &buf[..k];
-        // Each located context's searcher (columns and bucket slice), set up once.
-        let mut kids = [None; MAX_CTXS];
-        for (v, c) in kids.iter_mut().zip(ctxs) {
-            *v = Some(self.children(c.order, c.lo, c.hi));
-        }
-        // Candidates go in blocks: first every search at the longest context, then the
-        // misses at the next one, so independent searches overlap in the CPU.
-        const BLOCK: usize = 64;
-        let mut at = [0u64; BLOCK];
-        let mut which = [0u8; BLOCK];
+        probs.fill(0.0);
+        matched.fill(0);
+        // Candidates still unmatched: index in the block, token, token key, search state.
+        let mut pend = [0u8; BLOCK];
+        let mut cv = [0u64; BLOCK];
+        let mut kv = [0u32; BLOCK];
+        let mut lo = [0u64; BLOCK];
+        let mut len = [0u64; BLOCK];
+        // The same, ordered by the rounds each search needs.
+        let (mut s_pend, mut s_cv, mut s_kv) = ([0u8; BLOCK], [0u64; BLOCK], [0u32; BLOCK]);
+        let (mut s_lo, mut s_len) = ([0u64; BLOCK], [0u64; BLOCK]);
         for (b, cands) in candidates.chunks(BLOCK).enumerate() {
             let base = b * BLOCK;
-            let n = cands.len();
-            which[..n].fill(u8::MAX);
-            for (ci, ch) in kids[..k].iter().flatten().enumerate() {
-                for (i, &c) in cands.iter().enumerate() {
-                    if which[i] != u8::MAX {
-                        continue;
-                    }
-                    let (lo, hi) = ch.range(u64::from(c))?;
-                    let j = ch.toks.lower_bound(lo, hi, u64::from(c));
-                    if j < hi && ch.toks.get(j) == u64::from(c) {
-                        at[i] = j;
-                        which[i] = ci as u8;
-                    }
-                }
+            for (i, &c) in cands.iter().enumerate() {
+                pend[i] = i as u8;
+                cv[i] = u64::from(c);
+                kv[i] = self.token_key(u64::from(c));
             }
-            for i in 0..n {
-                let (p, m) = (&mut probs[base + i], &mut matched[base + i]);
-                if which[i] == u8::MAX {
-                    *p = 0.0;
-                    *m = 0;
-                } else {
-                    let ctx = &ctxs[which[i] as usize];
-                    let child = self.count_at(ctx.order + 1, at[i])?;
-                    *p = self.ratio(child, ctx)? as f32;
-                    *m = ctx.order as u8;
+            let mut np = cands.len();
+            // Suffixes longest first; each candidate takes the first that has it as a child.
+            for n in (1..=ctx.len()).rev() {
+                if np == 0 {
+                    break;
                 }
+                let Some(c) = self.locate(&ctx[ctx.len() - n..])? else {
+                    continue;
+                };
+                if c.hi == c.lo {
+                    continue;
+                }
+                let ch = self.children(c.order, c.lo, c.hi);
+                // The searches of all pending candidates advance in lockstep, one halving per
+                // round, so their memory loads overlap instead of waiting on each other.
+                // Each search needs `rounds(len)` halvings. Ordered by that count, longest
+                // first, the searches still running in round t are a prefix of the arrays, so
+                // the rounds do no wasted steps and no per-candidate branch.
+                let mut by_rounds = [0usize; 65];
+                for ((l, m), &key) in lo[..np].iter_mut().zip(&mut len[..np]).zip(&kv[..np]) {
+                    let (a, z) = ch.range(key)?;
+                    // An empty bucket searches at the context's first child instead (always
+                    // a valid index; `len` 0 keeps it from matching).
+                    *l = if z > a { a } else { ch.lo };
+                    *m = z - a;
+                    by_rounds[rounds(*m)] += 1;
+                }
+                let mut start = [0usize; 65];
+                let mut acc = 0;
+                for r in (0..65).rev() {
+                    start[r] = acc;
+                    acc += by_rounds[r];
+                }
+                for p in 0..np {
+                    let q = &mut start[rounds(len[p])];
+                    (s_pend[*q], s_cv[*q], s_kv[*q]) = (pend[p], cv[p], kv[p]);
+                    (s_lo[*q], s_len[*q]) = (lo[p], len[p]);
+                    *q += 1;
+                }
+                let mut active = np - by_rounds[0];
+                let mut r = 0;
+                while active > 0 {
+                    for ((l, m), &c) in s_lo[..active]
+                        .iter_mut()
+                        .zip(&mut s_len[..active])
+                        .zip(&s_cv[..active])
+                    {
+                        let half = *m / 2;
+                        let v = ch.toks.get(*l + half);
+                        // Keeps the last child <= c in range: it is c exactly when c is a
+                        // child. A conditional move: the outcome is a coin flip.
+                        *l = std::hint::select_unpredictable(v <= c, *l + half, *l);
+                        *m -= half;
+                    }
+                    r += 1;
+                    active -= by_rounds[r];
+                }
+                let mut keep = 0;
+                for p in 0..np {
+                    let j = s_lo[p];
+                    if s_len[p] > 0 && ch.toks.get(j) == s_cv[p] {
+                        let i = base + s_pend[p] as usize;
+                        let child = self.count_at(c.order + 1, j)?;
+                        probs[i] = self.ratio(child, &c)? as f32;
+                        matched[i] = c.order as u8;
+                    } else {
+                        pend[keep] = s_pend[p];
+                        cv[keep] = s_cv[p];
+                        kv[keep] = s_kv[p];
+                        keep += 1;
+                    }
+                }
+                np = keep;
             }
         }
         Ok(())
@@ -831,6 +897,17 @@ impl NGramModel {
                 h.total_tokens, h.orders[0].ngrams
             )));
         }
+        if self.keys.is_some() {
+            for t in 1..u64::from(h.vocab_size) {
+                let (a, b) = (self.token_key(t - 1), self.token_key(t));
+                if b < a {
+                    return Err(self.corrupt(format!(
+                        "token key of id {t} is {b}, below the key {a} of id {}",
+                        t - 1
+                    )));
+                }
+            }
+        }
         for n in 2..=n_max {
             let (off, len) = self.levels[n - 1].values;
             let mut prev = 0u64;
@@ -890,11 +967,11 @@ impl NGramModel {
                 }
                 if let Some(col) = self.levels[n - 1].buckets {
                     let table = self.view(col);
-                    let slice = BucketSlice::new(lo, hi, h.bucket_stride, h.vocab_size);
+                    let slice = BucketSlice::new(lo, hi, h.bucket_stride);
                     let mut r = 0u64;
                     for j in 0..slice.entries {
                         // Entry j: the first child in bucket j + 1 or later.
-                        while r < hi - lo && slice.bucket(toks.get(lo + r)) <= j {
+                        while r < hi - lo && slice.bucket(self.token_key(toks.get(lo + r))) <= j {
                             r += 1;
                         }
                         let got = table.get(slice.first + j);

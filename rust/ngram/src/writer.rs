@@ -162,6 +162,7 @@ pub(crate) fn write_model_with_stride(
         bucket_stride,
         levels: Vec::new(),
         unigrams,
+        last_tokens: vec![0; meta.vocab_size as usize],
     };
     for (i, stream) in higher.into_iter().enumerate() {
         spool.add_order(i + 2, stream)?;
@@ -191,7 +192,7 @@ pub(crate) fn write_model_with_stride(
                 0
             };
             let bw = if bucket_stride > 0 {
-                width_for(child.max_bucket_value)
+                width_for(child.max_bucketed_children)
             } else {
                 0
             };
@@ -311,9 +312,8 @@ struct Level {
     top_ids: File,
     top_lists: File,
     max_listed_children: u64,
-    /// The parents' child-bucket table (`entries / stride` u64 values) and its largest value.
-    buckets: File,
-    max_bucket_value: u64,
+    /// Most children of a parent that has child-bucket entries (bounds their values).
+    max_bucketed_children: u64,
 }
 
 struct Spool<'p> {
@@ -326,24 +326,23 @@ struct Spool<'p> {
     bucket_stride: u32,
     levels: Vec<Level>,
     unigrams: &'p [u64],
+    /// Stored n-grams of orders >= 2 ending in each token id (for the token keys).
+    last_tokens: Vec<u64>,
 }
 
-/// What closing a parent writes: its CSR end offset, its top list if it has many children,
-/// and its child-bucket entries.
+/// What closing a parent writes: its CSR end offset and its top list if it has many
+/// children. (Child buckets need every order's token keys, so they are written later.)
 struct ParentSink {
     offs: BufWriter<File>,
     top_ids: BufWriter<File>,
     top_lists: BufWriter<File>,
-    buckets: BufWriter<File>,
     top_list_len: usize,
     bucket_stride: u32,
-    vocab_size: u32,
     top_contexts: u64,
     max_listed: u64,
-    max_bucket: u64,
-    /// Children of the current parent: (count, relative index), and their tokens.
+    max_bucketed: u64,
+    /// Children of the current parent: (count, relative index).
     kids: Vec<(u64, u64)>,
-    kid_tokens: Vec<u64>,
 }
 
 impl ParentSink {
@@ -363,19 +362,10 @@ impl ParentSink {
             self.top_contexts += 1;
             self.max_listed = self.max_listed.max(n_kids as u64);
         }
-        let lo = entries - n_kids as u64;
-        let b = BucketSlice::new(lo, entries, self.bucket_stride, self.vocab_size);
-        // Entry j - 1: the first child whose bucket is >= j (tokens ascend, so do buckets).
-        let mut r = 0usize;
-        for j in 1..=b.entries {
-            while r < n_kids && b.bucket(self.kid_tokens[r]) < j {
-                r += 1;
-            }
-            self.buckets.write_all(&(r as u64).to_le_bytes())?;
-            self.max_bucket = self.max_bucket.max(r as u64);
+        if BucketSlice::new(entries - n_kids as u64, entries, self.bucket_stride).entries > 0 {
+            self.max_bucketed = self.max_bucketed.max(n_kids as u64);
         }
         self.kids.clear();
-        self.kid_tokens.clear();
         Ok(())
     }
 }
@@ -446,6 +436,23 @@ impl Spool<'_> {
         ))
     }
 
+    /// Token keys: the share of stored n-grams of orders >= 2 ending in a smaller token id,
+    /// scaled to 2^32, so a context's children spread evenly over its buckets.
+    fn token_keys(&self) -> Vec<u32> {
+        let total: u64 = self.last_tokens.iter().sum();
+        let mut below = 0u64;
+        self.last_tokens
+            .iter()
+            .map(|&c| {
+                // below == total past the last id that ends an n-gram: saturate there.
+                let k = ((u128::from(below) << 32) / u128::from(total.max(1)))
+                    .min(u128::from(u32::MAX)) as u32;
+                below += c;
+                k
+            })
+            .collect()
+    }
+
     fn add_order(&mut self, n: usize, stream: CountStream<'_>) -> Result<()> {
         let bits = self.bits;
         let tok_mask = (1u64 << bits) - 1;
@@ -467,15 +474,12 @@ impl Spool<'_> {
             offs: self.scratch()?,
             top_ids: self.scratch()?,
             top_lists: self.scratch()?,
-            buckets: self.scratch()?,
             top_list_len: self.top_list_len,
             bucket_stride: self.bucket_stride,
-            vocab_size: self.vocab_size,
             top_contexts: 0,
             max_listed: 0,
-            max_bucket: 0,
+            max_bucketed: 0,
             kids: Vec::new(),
-            kid_tokens: Vec::new(),
         };
         let mut table: FxHashSet<u64> = FxHashSet::default();
         let mut entries = 0u64;
@@ -586,7 +590,7 @@ impl Spool<'_> {
                 ));
             }
             sink.kids.push((count, sink.kids.len() as u64));
-            sink.kid_tokens.push(last);
+            self.last_tokens[last as usize] += 1;
             table.insert(count);
             w(&mut raw, k).map_err(|e| self.io(e))?;
             w(&mut raw, count).map_err(|e| self.io(e))?;
@@ -611,8 +615,7 @@ impl Spool<'_> {
             top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
             top_lists: done(sink.top_lists).map_err(|e| self.io(e))?,
             max_listed_children: sink.max_listed,
-            buckets: done(sink.buckets).map_err(|e| self.io(e))?,
-            max_bucket_value: sink.max_bucket,
+            max_bucketed_children: sink.max_bucketed,
         };
         self.levels.push(level);
         Ok(())
@@ -685,12 +688,43 @@ impl Spool<'_> {
                 }
                 p.finish().map_err(io)?;
             }
+            SectionKind::TokenKeys => {
+                let keys = self.token_keys();
+                for k in &keys {
+                    out.write_all(&k.to_le_bytes()).map_err(io)?;
+                }
+                if keys.len() % 2 == 1 {
+                    out.write_all(&[0u8; 4]).map_err(io)?;
+                }
+            }
             SectionKind::ChildBuckets => {
+                // Each parent's children, re-read in order with the parent offsets.
+                let keys = self.token_keys();
                 let child = &self.levels[n - 1];
-                let mut r = rewind(&child.buckets).map_err(io)?;
+                let mut offs = rewind(&child.parent_offsets).map_err(io)?;
+                let mut raw = rewind(&child.raw).map_err(io)?;
+                let tok_mask = (1u64 << self.bits) - 1;
                 let mut p = PackedWriter::new(out, rec.bucket_width);
-                for _ in 0..header.bucket_entries(n + 1) {
-                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                let mut lo = read_u64(&mut offs).map_err(io)?;
+                let mut kid_keys: Vec<u32> = Vec::new();
+                for _ in 0..header.entries(n) {
+                    let hi = read_u64(&mut offs).map_err(io)?;
+                    kid_keys.clear();
+                    for _ in lo..hi {
+                        let (k, _) = read_pair(&mut raw).map_err(io)?;
+                        kid_keys.push(keys[(k & tok_mask) as usize]);
+                    }
+                    let b = BucketSlice::new(lo, hi, self.bucket_stride);
+                    // Entry j: the first child in bucket j + 1 or later (keys ascend with
+                    // the tokens, so buckets do too).
+                    let mut r = 0usize;
+                    for j in 0..b.entries {
+                        while r < kid_keys.len() && b.bucket(kid_keys[r]) <= j {
+                            r += 1;
+                        }
+                        p.push(r as u64).map_err(io)?;
+                    }
+                    lo = hi;
                 }
                 p.finish().map_err(io)?;
             }

@@ -336,6 +336,19 @@ fn benches(c: &mut Criterion) {
         })
         .collect();
     let calls: usize = recorded.iter().map(Vec::len).sum();
+    let distinct: usize = recorded
+        .iter()
+        .map(|r| {
+            let mut c: Vec<&(Vec<u32>, Vec<u32>)> = r.iter().collect();
+            c.sort();
+            c.dedup();
+            c.len()
+        })
+        .sum();
+    eprintln!(
+        "distinct (context, row) lookups per request: {:.1}",
+        distinct as f64 / recorded.len() as f64
+    );
     eprintln!(
         "lookups per request: {:.1} prob_many calls of {K} candidates (mean of {})",
         calls as f64 / recorded.len() as f64,

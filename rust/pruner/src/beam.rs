@@ -42,52 +42,12 @@ struct Scratch {
     level_eos: Vec<Ranked>,
     ties: Vec<Ranked>,
     row_terms: Vec<f64>,
+    /// This level's distinct n-gram contexts (flattened) and their rows of probabilities:
+    /// beam paths often end in the same tokens, and then one lookup serves them all.
+    ngram_contexts: Vec<u32>,
     ngram_probs: Vec<f32>,
     ngram_context: Vec<u32>,
     out_index: Vec<u32>,
-    /// Best scores so far: of all nodes (the tree's cut) and of this level's non-EOS nodes
-    /// (the beam's cut).
-    best_all: TopScores,
-    best_level: TopScores,
-}
-
-/// The `cap` best scores offered so far, best first: the `cap`-th is a lower bound of the
-/// final cut, since more nodes can only raise it.
-#[derive(Default)]
-struct TopScores {
-    cap: usize,
-    best: Vec<f64>,
-}
-
-impl TopScores {
-    fn reset(&mut self, cap: usize) {
-        self.cap = cap;
-        self.best.clear();
-    }
-
-    #[inline]
-    fn offer(&mut self, score: f64) {
-        if self.best.len() == self.cap {
-            match self.best.last() {
-                Some(&worst) if score > worst => {
-                    self.best.pop();
-                }
-                _ => return,
-            }
-        }
-        let at = self.best.partition_point(|&x| x >= score);
-        self.best.insert(at, score);
-    }
-
-    /// The `cap`-th best score, once `cap` scores were offered.
-    #[inline]
-    fn cut(&self) -> Option<f64> {
-        if self.best.len() == self.cap {
-            self.best.last().copied()
-        } else {
-            None
-        }
-    }
 }
 
 thread_local! {
@@ -201,11 +161,10 @@ fn run_with<S: NGramScorer + ?Sized>(
         level_eos,
         ties,
         row_terms,
+        ngram_contexts,
         ngram_probs,
         ngram_context,
         out_index,
-        best_all,
-        best_level,
     } = scratch;
     let &Search {
         context,
@@ -234,9 +193,7 @@ fn run_with<S: NGramScorer + ?Sized>(
     beam.clear();
     beam.push(0);
     pool.clear();
-    best_all.reset(budget);
     row_terms.resize(k, 0.0);
-    ngram_probs.resize(k, 0.0);
 
     for level_index in 0..levels {
         let w_level = config.level_weight(level_index);
@@ -259,45 +216,37 @@ fn run_with<S: NGramScorer + ?Sized>(
         let depth = level_index as u32 + 1;
         level.clear();
         level_eos.clear();
-        best_level.reset(config.beam_width);
-        // An upper bound of every child's increment at this level: the n-gram term at its
-        // largest (p_ngram = 1). Floating-point rounding is monotone, so the bound holds for
-        // the computed scores too.
-        let best_increment = if use_ngram {
-            let top = row_terms.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let d = w_level * (top + w_ngram * ln_q1);
-            if d > 0.0 {
-                0.0
-            } else {
-                d
-            }
-        } else {
-            0.0
-        };
-        // Best parents first, so that the cuts rise early and the lookups of parents whose
-        // children cannot matter are skipped (below).
-        beam.sort_unstable_by(|&a, &b| arena[b as usize].score.total_cmp(&arena[a as usize].score));
+        ngram_contexts.clear();
+        ngram_probs.clear();
         for &b in beam.iter() {
+            // Offset of this path's n-gram probabilities for the row in `ngram_probs`.
+            let mut at = 0;
             if use_ngram {
-                // A child that ranks below `beam_width` non-EOS nodes of its level stays out
-                // of the beam, and one below `budget` nodes stays out of the tree, and so do
-                // its descendants (scores never increase): if every child of `b` (and, the
-                // parents being sorted, of every later parent) is below both cuts, the rest
-                // of the level cannot change the result. The margin absorbs the last ulp of
-                // the bound.
-                let bound = arena[b as usize].score + best_increment;
-                let margin = 1e-9 * (1.0 + bound.abs());
-                let below = |cut: Option<f64>| cut.is_some_and(|c| bound + margin < c);
-                if below(best_all.cut()) && below(best_level.cut()) {
-                    break;
-                }
                 fill_ngram_context(arena, context, b, history, ngram_context);
-                scorer.prob_many(ngram_context, row_ids, ngram_probs)?;
+                // Paths of one level have equally long contexts.
+                let width = ngram_context.len();
+                let seen = if width == 0 {
+                    (!ngram_probs.is_empty()).then_some(0)
+                } else {
+                    ngram_contexts
+                        .chunks_exact(width)
+                        .position(|c| c == ngram_context.as_slice())
+                };
+                at = match seen {
+                    Some(i) => i * k,
+                    None => {
+                        let at = ngram_probs.len();
+                        ngram_contexts.extend_from_slice(ngram_context);
+                        ngram_probs.resize(at + k, 0.0);
+                        scorer.prob_many(ngram_context, row_ids, &mut ngram_probs[at..])?;
+                        at
+                    }
+                };
             }
             let parent_score = arena[b as usize].score;
             for j in 0..k {
                 let inner = if use_ngram {
-                    let q = ngram_probs[j];
+                    let q = ngram_probs[at + j];
                     let ln_q = if q == 0.0 {
                         ln_q0
                     } else if q == 1.0 {
@@ -336,12 +285,10 @@ fn run_with<S: NGramScorer + ?Sized>(
                     depth,
                 });
                 pool.push(ranked);
-                best_all.offer(score);
                 if is_eos {
                     level_eos.push(ranked);
                 } else {
                     level.push(ranked);
-                    best_level.offer(score);
                 }
             }
         }

@@ -89,9 +89,8 @@ fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
 }
 
 fn non_negative(name: &str, v: i64) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| {
-        PrunerError::new_err(format!("{name} = {v}; expected a non-negative integer"))
-    })
+    usize::try_from(v)
+        .map_err(|_| PrunerError::new_err(format!("{name} = {v}; expected a non-negative integer")))
 }
 
 /// The owned inputs of one request, converted from int64.
@@ -268,7 +267,10 @@ impl PyPruner {
             Some(b) => b
                 .into_iter()
                 .enumerate()
-                .map(|(i, x)| x.map(|v| non_negative(&format!("budgets[{i}]"), v)).transpose())
+                .map(|(i, x)| {
+                    x.map(|v| non_negative(&format!("budgets[{i}]"), v))
+                        .transpose()
+                })
                 .collect::<PyResult<_>>()?,
         };
         let ctxs: Vec<&[i64]> = contexts
@@ -303,9 +305,7 @@ impl PyPruner {
             let reqs: Vec<DraftRequest<'_>> = owned
                 .iter()
                 .enumerate()
-                .map(|(b, o)| {
-                    request(o, &probs[b * cells..(b + 1) * cells], levels, k, budgets[b])
-                })
+                .map(|(b, o)| request(o, &probs[b * cells..(b + 1) * cells], levels, k, budgets[b]))
                 .collect();
             self.inner
                 .prune_batch(&reqs)

@@ -1,0 +1,179 @@
+"""Tree-budget auto-tuning: the acceptance replay must be what greedy generation does.
+
+On a tiny float64 target the replayed accepted lengths per step equal those of
+``dart_generate`` with the same budget, step for step, with the real pruner (random head: short
+runs) and with a planted builder whose trees hold the target's true continuation only when the
+budget is large enough (long runs, strongly budget-dependent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import TINY_VOCAB, make_tiny_target
+
+from dart_client import DartModel, ar_generate, dart_generate
+from dart_client.autotune import (
+    TreeBudgetTuning,
+    _Calibration,
+    _Clock,
+    auto_budget,
+    autotune,
+    parse_tree_budget,
+)
+from dart_client.draft import DraftRows
+from dart_client.errors import InvalidArgumentError
+from dart_client.models.head import DartHead
+from dart_client.verify import Tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return make_tiny_target("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def head(target: Any) -> DartHead:
+    return DartHead.random_init(target.config, draft_length=3, seed=5).double()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, TINY_VOCAB, size=int(rng.integers(4, 20))).tolist() for _ in range(n)]
+
+
+class PlantedBuilder:
+    """Trees where wrong branches come first (in creation order, which the budget cuts) and
+    the true greedy continuation last: small budgets accept little, large ones a lot."""
+
+    def __init__(self, truths: Sequence[Sequence[int]]) -> None:
+        self.truths = [list(t) for t in truths]
+        self.calls: list[int] = []
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        self.calls.append(budget)
+        ctx = [int(x) for x in context]
+        for seq in self.truths:
+            for end in range(len(ctx), len(seq) + 1):
+                if seq[end - len(ctx) : end] == ctx:
+                    root = ctx[-1]
+                    true = seq[end : end + 4]
+                    first = true[0] if true else 3
+                    # Three 3-node branches whose first tokens differ from the truth's.
+                    wrong = [[3 + (first - 3 + j) % (TINY_VOCAB - 3)] * 3 for j in (1, 2, 3)]
+                    tree = Tree.from_paths(root, [*wrong, true])
+                    n = min(len(tree), budget + 1)
+                    return Tree.build(tree.tokens[:n], tree.parents[:n])
+        return Tree.root_only(ctx[-1])
+
+
+def test_replay_equals_generation_with_the_real_pruner(
+    target: Any, head: DartHead, tiny_ngram_path: Any
+) -> None:
+    from dart_client.ngram import NGram
+
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)))
+    clock = _Clock(dm.target.device)
+    for prompt in prompts(3, seed=1):
+        cal = _Calibration(dm, prompt, 20, clock)
+        for budget in (1, 3, 10, 40):
+            lengths, _ = cal.replay(budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_token_num=20, tree_budget=budget)
+            assert lengths == got.accept_lengths[1:], (prompt, budget)
+
+
+def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: DartHead) -> None:
+    base = DartModel(target)
+    ps = prompts(3, seed=2)
+    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=30).tokens for p in ps]
+    builder = PlantedBuilder(truths)
+    dm = DartModel(target, head, tree_builder=builder)
+    clock = _Clock(dm.target.device)
+    taus = {}
+    for budget in (2, 9, 13):
+        lengths_all: list[int] = []
+        for prompt in ps:
+            cal = _Calibration(dm, prompt, 30, clock)
+            lengths, seconds = cal.replay(budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_token_num=30, tree_budget=budget)
+            assert lengths == got.accept_lengths[1:], (prompt, budget)
+            assert got.tokens == truths[ps.index(prompt)][len(prompt) :]
+            assert 0 < len(seconds) <= len(lengths)
+            lengths_all += lengths
+        taus[budget] = sum(lengths_all) / len(lengths_all)
+    # 9 wrong nodes precede the truth: up to 9 nothing is accepted, 13 reaches depth 4 (less
+    # near the length limit, where generation shrinks the tree).
+    assert taus[2] == taus[9] == 1.0
+    assert taus[13] > 2.0
+
+
+def test_autotune_curve_and_choice(target: Any, head: DartHead) -> None:
+    base = DartModel(target)
+    ps = prompts(2, seed=4)
+    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=24).tokens for p in ps]
+    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    tuning = autotune(
+        dm, prompts=ps, budgets=(13, 2, 9), continuation_tokens=24, context_tokens=32, repeats=2
+    )
+    assert isinstance(tuning, TreeBudgetTuning)
+    assert [p.budget for p in tuning.curve] == [2, 9, 13]
+    for p in tuning.curve:
+        assert p.verify_ms > 0 and p.draft_ms > 0 and p.prune_ms >= 0
+        assert p.tokens_per_s == pytest.approx(1e3 * p.tau / p.step_ms)
+        assert p.speedup == pytest.approx(p.tokens_per_s * tuning.ar_forward_ms / 1e3)
+    assert tuning.point(2).tau == 1.0
+    assert tuning.point(9).tau == 1.0
+    assert tuning.point(13).tau > 1.5
+    best = max(tuning.curve, key=lambda p: p.tokens_per_s)
+    assert tuning.best_budget == best.budget
+    assert tuning.calibration_prompts == 2 and tuning.calibration_tokens == 48
+    table = tuning.table()
+    assert "**(chosen)**" in table and table.count("\n|") == 4
+    d = tuning.to_dict()
+    assert d["best_budget"] == tuning.best_budget and len(d["curve"]) == 3
+    assert d["curve"][0]["step_ms"] == pytest.approx(tuning.curve[0].step_ms)
+
+
+def test_auto_budget_is_tuned_once_and_used_by_generation(
+    target: Any, head: DartHead, tiny_ngram_path: Any
+) -> None:
+    from dart_client.ngram import NGram
+
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), tree_budget="auto")
+    assert dm.tree_tuning is None
+    prompt = prompts(1, seed=6)[0]
+    got = dart_generate(dm, input_ids=prompt, max_new_token_num=12)
+    tuning = dm.tree_tuning
+    assert tuning is not None
+    assert max(got.tree_sizes[1:]) <= tuning.best_budget + 1
+    assert got.tokens == ar_generate(dm, input_ids=prompt, max_new_token_num=12).tokens
+    # Cached: a second call does not tune again.
+    assert auto_budget(dm) == tuning.best_budget and dm.tree_tuning is tuning
+    explicit = dart_generate(dm, input_ids=prompt, max_new_token_num=12, tree_budget="auto")
+    assert explicit.tokens == got.tokens
+
+
+def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> None:
+    from dart_client.ngram import NGram
+
+    with pytest.raises(InvalidArgumentError, match="head and a pruner"):
+        autotune(DartModel(target))
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)))
+    with pytest.raises(InvalidArgumentError, match="budgets must be integers >= 1"):
+        autotune(dm, budgets=(4, 0))
+    with pytest.raises(InvalidArgumentError, match="continuation_tokens"):
+        autotune(dm, continuation_tokens=1)
+    with pytest.raises(InvalidArgumentError, match="tree_budget must be"):
+        DartModel(target, head, tree_budget="big")
+    assert parse_tree_budget("auto") == "auto"
+    assert parse_tree_budget("AUTO") == "auto"
+    assert parse_tree_budget("24") == 24
+    assert parse_tree_budget(None) is None
+    for bad in ("-1", "sixty", "1.5"):
+        with pytest.raises(InvalidArgumentError, match="expected an integer >= 0 or 'auto'"):
+            parse_tree_budget(bad)

@@ -1,0 +1,245 @@
+"""dart-bench: workloads from the real datasets, every method on a tiny float64 target (where
+greedy outputs must all equal autoregressive decoding), the metrics, and the written report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_tiny_target, make_tiny_tokenizer
+
+from dart_client import DartModel
+from dart_client.bench import harness
+from dart_client.bench.cli import parser, run
+from dart_client.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
+from dart_client.data import is_held_out
+from dart_client.models.head import DartHead
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def smol_tok_model(smollm2_tokenizer_dir: Path) -> DartModel:
+    """A tiny target over SmolLM2's real vocabulary and tokenizer (chat template included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    return DartModel(make_tiny_target("llama", vocab_size=len(tok), layers=4), tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_ngram_path: Path) -> DartModel:
+    from dart_client.ngram import NGram
+
+    target = make_tiny_target("llama", seed=1)
+    head = DartHead.random_init(target.config, draft_length=3, seed=2).double()
+    return DartModel(
+        target, head, tokenizer=make_tiny_tokenizer(), ngram=NGram.open(str(tiny_ngram_path))
+    )
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+def test_humaneval_chat_and_raw(smol_tok_model: DartModel) -> None:
+    tok = smol_tok_model.tokenizer
+    chat = harness.humaneval_workload(smol_tok_model, 3)
+    raw = harness.humaneval_workload(smol_tok_model, 3, fmt="raw")
+    assert [p.id for p in chat.prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    text = tok.decode(chat.prompts[0].ids)
+    assert "<|im_start|>user" in text and "Complete the following Python function" in text
+    assert "def has_close_elements" in text and text.rstrip().endswith("assistant")
+    assert tok.decode(raw.prompts[0].ids).lstrip().startswith("from typing import List")
+    with pytest.raises(ValueError, match="expected 'chat' or 'raw'"):
+        harness.humaneval_workload(smol_tok_model, 3, fmt="plain")
+
+
+def test_sharegpt_is_held_out_first_user_turns(smol_tok_model: DartModel) -> None:
+    w = harness.sharegpt_workload(smol_tok_model, 4, max_prompt_tokens=400)
+    assert len(w.prompts) == 4
+    assert all(is_held_out(p.id) for p in w.prompts)
+    for p in w.prompts:
+        assert len(p.ids) <= 400
+        assert smol_tok_model.tokenizer.decode(p.ids).count("<|im_start|>user") == 1
+
+
+def test_jsonl_forms_and_errors(smol_tok_model: DartModel, tmp_path: Path) -> None:
+    good = tmp_path / "mine.jsonl"
+    rows = [
+        {"id": "a", "prompt": "Say hi."},
+        {"question_id": 7, "turns": ["What is 2+2?", "And 3+3?"]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "Name a color."},
+                {"from": "gpt", "value": "x"},
+            ]
+        },
+    ]
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    w = harness.jsonl_workload(good, smol_tok_model, 10)
+    assert [p.id for p in w.prompts] == ["a", "7", "mine:3", "mine:4"]
+    tok = smol_tok_model.tokenizer
+    assert "What is 2+2?" in tok.decode(w.prompts[1].ids) and "3+3" not in tok.decode(
+        w.prompts[1].ids
+    )
+    assert "Be brief." in tok.decode(w.prompts[2].ids)
+    assert "Name a color." in tok.decode(w.prompts[3].ids)
+    assert harness.jsonl_workload(good, smol_tok_model, 2).prompts[-1].id == "7"
+    short = harness.jsonl_workload(good, smol_tok_model, 10, max_prompt_tokens=20)
+    assert len(short.prompts) < 4 and "skipped" in short.notes[0]
+
+    cases = {
+        '{"prompt": "ok"}\n{"prompt": \n': r"bad\.jsonl:2: not valid JSON",
+        '["a"]\n': r"bad\.jsonl:1: expected a JSON object, got list",
+        '{"text": "x"}\n': r"bad\.jsonl:1: expected a 'prompt' string.*got keys \['text'\]",
+        '{"prompt": "  "}\n': r"bad\.jsonl:1: the prompt is empty",
+        '{"messages": [{"role": "robot", "content": "x"}]}\n': r"bad\.jsonl:1: .*'robot'",
+        '{"messages": [{"role": "system", "content": "x"}]}\n': r"bad\.jsonl:1: .*no user",
+    }
+    bad = tmp_path / "bad.jsonl"
+    for content, pattern in cases.items():
+        bad.write_text(content)
+        with pytest.raises(BenchError, match=pattern):
+            harness.jsonl_workload(bad, smol_tok_model, 10)
+    with pytest.raises(BenchError, match="no such workload file"):
+        harness.jsonl_workload(tmp_path / "missing.jsonl", smol_tok_model, 10)
+    with pytest.raises(BenchError, match="expected 'humaneval', 'sharegpt' or a path"):
+        harness.load_workloads(["mmlu"], smol_tok_model, 3)
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def test_summarize_medians_speedup_tau_and_equality() -> None:
+    def r(tokens: list[int], elapsed: float, lengths: list[int] | None = None) -> Run:
+        timings = {"prefill": 0.1 * elapsed, "verify": 0.5 * elapsed} if lengths else {}
+        return Run(tokens, elapsed, lengths or [], timings, [1] * len(lengths or []))
+
+    prompts = [
+        PromptRuns(
+            Prompt("p0", [1, 2], ""),
+            {
+                "ar": [r([5, 6, 7, 8], 4.0), r([5, 6, 7, 8], 2.0), r([5, 6, 7, 8], 3.0)],
+                "dart": [
+                    r([5, 6, 7, 8], 1.0, [1, 3]),
+                    r([5, 6, 7, 8], 9.0, [1, 3]),
+                    r([5, 6, 7, 8], 1.0, [1, 3]),
+                ],
+            },
+        ),
+        PromptRuns(
+            Prompt("p1", [3], ""),
+            {
+                "ar": [r([9, 9], 1.0)] * 3,
+                "dart": [r([9, 8], 1.0, [1, 1])] * 3,  # a divergence: must be counted
+            },
+        ),
+    ]
+    s = harness.summarize([harness.WorkloadRuns(Workload("w", "src", []), prompts)], Settings())
+    ar, dart = s["w"]["methods"]["ar"], s["w"]["methods"]["dart"]
+    assert ar["tokens"] == 6 and ar["seconds"] == pytest.approx(3.0 + 1.0)
+    assert dart["seconds"] == pytest.approx(1.0 + 1.0)
+    assert ar["speedup"] == 1.0 and dart["speedup"] == pytest.approx((6 / 2) / (6 / 4))
+    assert dart["tau"] == pytest.approx((3 * 3 + 1 * 3) / 6)
+    assert dart["accept_histogram"] == {"1": 3, "3": 3}
+    assert ar["greedy_equal_ar"] == 2 and dart["greedy_equal_ar"] == 1
+    assert ar["tau"] is None and ar["stage_share"] is None
+    shares = dart["stage_share"]
+    assert shares["verify"] == pytest.approx(0.5) and sum(shares.values()) == pytest.approx(1.0)
+    sampled = harness.summarize(
+        [harness.WorkloadRuns(Workload("w", "src", []), prompts)], Settings(temperature=0.7)
+    )
+    assert sampled["w"]["methods"]["dart"]["greedy_equal_ar"] is None
+
+
+# -- the whole benchmark on a tiny model ---------------------------------------------------------
+
+
+def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any) -> None:
+    prompts = tmp_path / "tiny.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": p}) for p in ("w5 w9 w17 w5 w9", "w40 w41", "w7 w7 w7"))
+    )
+    out = tmp_path / "out"
+    args = parser().parse_args(
+        [
+            "--workloads", str(prompts),
+            "--max-new-tokens", "12",
+            "--repetitions", "2",
+            "--tree-budget", "auto",
+            "--remote", "auto",
+            "--output-dir", str(out),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    assert run(args, model=tiny_model) == 0
+    record = json.loads((out / "results.json").read_text())
+    methods = record["workloads"]["tiny"]["methods"]
+    expected = set(harness.METHODS)
+    if harness.dart_ngram_binary() is None:
+        expected.discard("dart-remote")
+        assert any("dart-remote: skipped" in n for n in record["notes"])
+    assert set(methods) == expected
+    for name, m in methods.items():
+        # float64: every greedy method reproduces autoregressive decoding exactly.
+        assert m["greedy_equal_ar"] == 3, name
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["speedup"] > 0
+    for name in expected - {"ar", "hf", "pld"}:
+        assert methods[name]["tau"] >= 1.0
+        assert sum(methods[name]["accept_histogram"].values()) > 0
+        assert sum(methods[name]["stage_share"].values()) == pytest.approx(1.0)
+        assert methods[name]["mean_tree_nodes"] <= record["tree_budget_tuning"]["best_budget"] + 1
+    assert methods["ar"]["speedup"] == 1.0
+    assert record["settings"]["repetitions"] == 2
+    assert record["environment"]["dtype"] == "float64"
+    assert record["environment"]["tree_budget"].startswith("auto -> ")
+    assert len(record["per_prompt"]["tiny"]) == 3
+    md = (out / "results.md").read_text()
+    assert "| dart |" in md and "## Tree budget (auto)" in md and "3/3" in md
+    assert md in capsys.readouterr().out
+    for name in ("speedup", "time_breakdown", "tau_histogram", "tree_budget"):
+        png = (out / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_methods_validation(tiny_model: DartModel) -> None:
+    with pytest.raises(BenchError, match="must include 'ar'"):
+        harness.build_methods(tiny_model, ["dart"])
+    with pytest.raises(BenchError, match="unknown methods"):
+        harness.build_methods(tiny_model, ["ar", "eagle"])
+    notes: list[str] = []
+    ms = harness.build_methods(tiny_model, ["ar", "dart-remote"], notes=notes)
+    assert [m.name for m in ms] == ["ar"] and "pass --remote auto" in notes[0]
+    ar_only = DartModel(tiny_model.target, tokenizer=tiny_model.tokenizer)
+    notes = []
+    ms = harness.build_methods(ar_only, ["ar", "dart"], notes=notes)
+    assert [m.name for m in ms] == ["ar"] and "no DART head" in notes[0]
+    bad = argparse.Namespace(**{**vars(parser().parse_args([])), "repetitions": 0})
+    with pytest.raises(BenchError, match="--repetitions must be >= 1"):
+        run(bad, model=tiny_model)
+
+
+def test_dart_cli_subcommands(capsys: Any) -> None:
+    from dart_client.cli import main
+
+    for argv, text in (
+        (["bench", "--help"], "--tree-budget"),
+        (["demo", "--ui", "--help"], "--port"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+        assert text in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--tree-budget", "lots", "hi"])
+    assert exit_info.value.code == 2
+    assert "expected an integer >= 0 or 'auto'" in capsys.readouterr().err
