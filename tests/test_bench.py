@@ -152,6 +152,7 @@ def test_summarize_medians_speedup_tau_and_equality() -> None:
     assert dart["tau"] == pytest.approx((3 * 3 + 1 * 3) / 6)
     assert dart["accept_histogram"] == {"1": 3, "3": 3}
     assert ar["greedy_equal_ar"] == 2 and dart["greedy_equal_ar"] == 1
+    assert ar["greedy_first_difference"] == [] and dart["greedy_first_difference"] == [1]
     assert ar["tau"] is None and ar["stage_share"] is None
     shares = dart["stage_share"]
     assert shares["verify"] == pytest.approx(0.5) and sum(shares.values()) == pytest.approx(1.0)

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+KINDS = ("remote", "in-process")
+
 
 def find_binary() -> str:
     import shutil
@@ -107,20 +109,28 @@ def make_pruner(kind: str, model_path: str, url: str) -> Any:
     return Pruner(NGram.open(model_path), PrunerConfig())
 
 
-def latency(pruner: Any, drafts: list[Draft], warmup: int = 200) -> tuple[float, float, int]:
-    """(p50 us, p99 us, nodes of the last tree) of sequential prunes."""
+def latency(
+    pruners: dict[str, Any], drafts: list[Draft], warmup: int = 200
+) -> dict[str, tuple[float, float, int]]:
+    """Per backend: (p50 us, p99 us, nodes of the last tree) of sequential prunes. The
+    backends alternate request by request, so both see the same machine load."""
     for d in drafts[:warmup]:
-        pruner.prune(d.context, d.topk_ids, d.topk_probs)
-    times = []
-    tree = None
+        for pruner in pruners.values():
+            pruner.prune(d.context, d.topk_ids, d.topk_probs)
+    times: dict[str, list[int]] = {name: [] for name in pruners}
+    nodes: dict[str, int] = {}
     for d in drafts:
-        t0 = time.perf_counter_ns()
-        tree = pruner.prune(d.context, d.topk_ids, d.topk_probs)
-        times.append(time.perf_counter_ns() - t0)
-    times.sort()
-    p50 = statistics.median(times) / 1e3
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3
-    return p50, p99, len(tree) if tree is not None else 0
+        for name, pruner in pruners.items():
+            t0 = time.perf_counter_ns()
+            tree = pruner.prune(d.context, d.topk_ids, d.topk_probs)
+            times[name].append(time.perf_counter_ns() - t0)
+            nodes[name] = len(tree)
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        p99 = ts[min(len(ts) - 1, int(len(ts) * 0.99))] / 1e3
+        out[name] = (statistics.median(ts) / 1e3, p99, nodes[name])
+    return out
 
 
 def _client(
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="duration of a throughput run")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--threads", type=int, default=None, help="daemon --threads")
+    ap.add_argument("--repeat", type=int, default=2, help="throughput runs (best kept)")
     ap.add_argument("--levels", type=int, default=8)
     ap.add_argument("--k", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
@@ -218,16 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
 
         rows = []
-        lat = {
-            kind: latency(make_pruner(kind, args.model, url), drafts)
-            for kind in ("remote", "in-process")
-        }
-        tput = {
-            (kind, c): throughput(kind, args.model, url, drafts, c, args.seconds)
-            for c in args.clients
-            for kind in ("remote", "in-process")
-        }
-        for kind in ("remote", "in-process"):
+        lat = latency({kind: make_pruner(kind, args.model, url) for kind in KINDS}, drafts)
+        # The best of `repeat` runs, alternating backends: on a shared machine the load of
+        # others only ever slows a run down.
+        tput: dict[tuple[str, int], float] = {}
+        for _ in range(args.repeat):
+            for c in args.clients:
+                for kind in KINDS:
+                    t = throughput(kind, args.model, url, drafts, c, args.seconds)
+                    tput[(kind, c)] = max(t, tput.get((kind, c), 0.0))
+        for kind in KINDS:
             p50, p99, _nodes = lat[kind]
             rows.append(
                 [kind, f"{p50:.1f}", f"{p99:.1f}"]

@@ -666,14 +666,19 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
             stage_time = dict.fromkeys(STAGES, 0.0)
             elapsed_all = 0.0
             tree_nodes: list[int] = []
+            diverge: list[int] = []
             for pr in wr.prompts:
                 runs = pr.runs[name]
                 med = _median_run(runs)
                 # Greedy: every repetition yields the same tokens; sampled: the median's count.
                 tokens += len(med.tokens)
                 seconds += statistics.median(r.elapsed for r in runs)
-                if settings.greedy and pr.runs[name][0].tokens == pr.runs["ar"][0].tokens:
-                    equal += 1
+                if settings.greedy:
+                    got, want = pr.runs[name][0].tokens, pr.runs["ar"][0].tokens
+                    if got == want:
+                        equal += 1
+                    else:
+                        diverge.append(_first_difference(got, want))
                 for r in runs:
                     hist.update(r.accept_lengths[1:])
                     tree_nodes.extend(r.tree_sizes[1:])
@@ -695,6 +700,9 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                 "mean_tree_nodes": statistics.fmean(tree_nodes) if tree_nodes else None,
                 "stage_share": shares,
                 "greedy_equal_ar": equal if settings.greedy else None,
+                # Where each differing greedy output first leaves AR's (token index): in bf16
+                # a near-tie can flip between a 1-token and a tree forward (numerics).
+                "greedy_first_difference": diverge if settings.greedy else None,
             }
         ar = per.get("ar", {}).get("tokens_per_s", 0.0)
         for m in per.values():
@@ -706,6 +714,11 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
             "methods": per,
         }
     return out
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    pairs = enumerate(zip(a, b, strict=False))  # lengths may differ (one stopped on EOS)
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[str, Any]:

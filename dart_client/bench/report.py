@@ -98,6 +98,10 @@ def markdown(record: dict[str, Any]) -> str:
             ac = (sh["accept"] + sh["compact"]) if sh else None
             eq = r["greedy_equal_ar"]
             eq_text = "–" if eq is None else f"{eq}/{r['prompts']}"
+            if r.get("greedy_first_difference"):
+                eq_text += (
+                    f" (differs at token {', '.join(map(str, r['greedy_first_difference']))})"
+                )
             lines.append(
                 f"| {m} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}x | "
                 f"{_fmt(r['tau'], '.2f')} | {_fmt(r['mean_tree_nodes'], '.1f')} | "
@@ -165,7 +169,7 @@ def plots(record: dict[str, Any], out_dir: Path) -> list[Path]:
     shown = [m for m in methods if m != "ar"]
 
     # Speedup per workload, grouped bars per method.
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) * max(1, len(shown))), 4))
+    fig, ax = plt.subplots(figsize=(min(12, max(6, 1.2 * len(names) * max(1, len(shown)))), 4))
     width = 0.8 / max(1, len(shown))
     for j, m in enumerate(shown):
         values = [workloads[n]["methods"].get(m, {}).get("speedup") or 0.0 for n in names]

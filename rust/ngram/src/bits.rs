@@ -108,6 +108,15 @@ impl<'a> Packed<'a> {
         v & self.mask
     }
 
+    /// [`Self::get`] for arrays of at most 57-bit values (token ids are at most 32 bits),
+    /// whose values never straddle 9 bytes: one load, one shift, one mask.
+    #[inline(always)]
+    pub fn get_narrow(&self, i: u64) -> u64 {
+        debug_assert!(self.width <= 57 && i < self.len);
+        let bit = i * u64::from(self.width);
+        (load_u64(self.bytes, (bit >> 3) as usize) >> (bit & 7)) & self.mask
+    }
+
     /// Index of the first value in `lo..hi` that is `>= target`, assuming that range is sorted
     /// ascending (`hi` if none). Branchless: the loop count depends only on the range length
     /// and each step is a conditional move, so searches for several candidates overlap in the

@@ -61,6 +61,20 @@ struct Level {
     buckets: Option<Col>,
 }
 
+/// One candidate of `prob_many` being searched among a context's children.
+#[derive(Clone, Copy, Default)]
+struct Probe {
+    /// Candidate range: the child sought is at `lo` if anywhere (once `len` is 1).
+    lo: u64,
+    len: u64,
+    token: u64,
+    key: u32,
+    /// Index in the candidates.
+    slot: u32,
+    /// Halvings left to the search (set per context).
+    rounds: u32,
+}
+
 /// Halvings a branchless binary search over `len` entries needs to narrow them to one.
 #[inline]
 fn rounds(len: u64) -> usize {
@@ -68,11 +82,7 @@ fn rounds(len: u64) -> usize {
 }
 
 /// Size of the candidate blocks of `prob_many` (their search state lives on the stack).
-const BLOCK: usize = 64;
-
-/// Most context suffixes a query can have: orders are at most 64 (one-bit tokens in a u64
-/// key), so at most 63 suffixes.
-const MAX_CTXS: usize = 64;
+const BLOCK: usize = 32;
 
 /// A located context: the range of its children in the next order and its count.
 #[derive(Clone, Copy, Debug)]
@@ -113,8 +123,8 @@ impl Children<'_> {
         // Bucket k spans entry(k-1)..entry(k), entry(-1) = 0 and entry(entries) = n. The
         // indexes are clamped into the table so both loads are unconditional (cmov, no branch).
         let last = b.len().saturating_sub(1);
-        let s = b.get((first + k).saturating_sub(1).min(last));
-        let e = b.get((first + k).min(last));
+        let s = b.get_narrow((first + k).saturating_sub(1).min(last));
+        let e = b.get_narrow((first + k).min(last));
         let start = if k == 0 { 0 } else { s };
         let end = if k == entries { n } else { e };
         if start > end || end > n {
@@ -463,6 +473,13 @@ impl NGramModel {
         Ok(())
     }
 
+    #[cold]
+    fn bad_rank(&self, n: usize, i: u64, rank: u64, len: u64) -> NGramError {
+        self.corrupt(format!(
+            "order {n} entry {i}: count rank {rank} outside the table of {len}"
+        ))
+    }
+
     /// Count of entry `i` of order `n` (`i < entries(n)`).
     #[inline]
     fn count_at(&self, n: usize, i: u64) -> Result<u64> {
@@ -473,9 +490,7 @@ impl NGramModel {
         }
         let (off, len) = lv.values;
         if c >= len {
-            return Err(self.corrupt(format!(
-                "order {n} entry {i}: count rank {c} outside the table of {len}"
-            )));
+            return Err(self.bad_rank(n, i, c, len));
         }
         let at = off + c as usize * 8;
         Ok(u64::from_le_bytes(
@@ -581,12 +596,17 @@ impl NGramModel {
     #[inline]
     fn ratio(&self, child: u64, ctx: &Ctx) -> Result<f64> {
         if child > ctx.count {
-            return Err(self.corrupt(format!(
-                "order {} context {}: a child count {child} exceeds the context count {}",
-                ctx.order, ctx.id, ctx.count
-            )));
+            return Err(self.bad_ratio(child, ctx));
         }
         Ok(child as f64 / ctx.count as f64)
+    }
+
+    #[cold]
+    fn bad_ratio(&self, child: u64, ctx: &Ctx) -> NGramError {
+        self.corrupt(format!(
+            "order {} context {}: a child count {child} exceeds the context count {}",
+            ctx.order, ctx.id, ctx.count
+        ))
     }
 
     /// Raw count of an n-gram (`tokens.len() <= order`); the empty n-gram counts all tokens.
@@ -611,7 +631,10 @@ impl NGramModel {
         let Some(ctx) = self.locate(init)? else {
             return Ok(0);
         };
-        match self.children(ctx.order, ctx.lo, ctx.hi).find(u64::from(last))? {
+        match self
+            .children(ctx.order, ctx.lo, ctx.hi)
+            .find(u64::from(last))?
+        {
             Some(j) => self.count_at(tokens.len(), j),
             None => Ok(0),
         }
@@ -646,21 +669,27 @@ impl NGramModel {
         }
         probs.fill(0.0);
         matched.fill(0);
-        // Candidates still unmatched: index in the block, token, token key, search state.
-        let mut pend = [0u8; BLOCK];
-        let mut cv = [0u64; BLOCK];
-        let mut kv = [0u32; BLOCK];
-        let mut lo = [0u64; BLOCK];
-        let mut len = [0u64; BLOCK];
-        // The same, ordered by the rounds each search needs.
-        let (mut s_pend, mut s_cv, mut s_kv) = ([0u8; BLOCK], [0u64; BLOCK], [0u32; BLOCK]);
-        let (mut s_lo, mut s_len) = ([0u64; BLOCK], [0u64; BLOCK]);
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        // The longest few suffixes are located up front: their lookups are independent, so
+        // they overlap (order 3 needs two). Longer ones, if any, are located when reached.
+        let mut early_buf = [None; 4];
+        for (e, n) in early_buf.iter_mut().zip((1..=ctx.len()).rev()) {
+            *e = self.locate(&ctx[ctx.len() - n..])?;
+        }
+        let early = &early_buf[..ctx.len().min(early_buf.len())];
+        // Candidates still unmatched, and the same ordered by the rounds their search needs.
+        let mut pend = [Probe::default(); BLOCK];
+        let mut sorted = [Probe::default(); BLOCK];
         for (b, cands) in candidates.chunks(BLOCK).enumerate() {
-            let base = b * BLOCK;
-            for (i, &c) in cands.iter().enumerate() {
-                pend[i] = i as u8;
-                cv[i] = u64::from(c);
-                kv[i] = self.token_key(u64::from(c));
+            for (i, (p, &c)) in pend.iter_mut().zip(cands).enumerate() {
+                *p = Probe {
+                    token: u64::from(c),
+                    key: self.token_key(u64::from(c)),
+                    slot: (b * BLOCK + i) as u32,
+                    ..Probe::default()
+                };
             }
             let mut np = cands.len();
             // Suffixes longest first; each candidate takes the first that has it as a child.
@@ -668,69 +697,76 @@ impl NGramModel {
                 if np == 0 {
                     break;
                 }
-                let Some(c) = self.locate(&ctx[ctx.len() - n..])? else {
+                let c = match early.get(ctx.len() - n) {
+                    Some(&c) => c,
+                    None => self.locate(&ctx[ctx.len() - n..])?,
+                };
+                let Some(c) = c else {
                     continue;
                 };
                 if c.hi == c.lo {
                     continue;
                 }
                 let ch = self.children(c.order, c.lo, c.hi);
-                // The searches of all pending candidates advance in lockstep, one halving per
-                // round, so their memory loads overlap instead of waiting on each other.
                 // Each search needs `rounds(len)` halvings. Ordered by that count, longest
-                // first, the searches still running in round t are a prefix of the arrays, so
-                // the rounds do no wasted steps and no per-candidate branch.
-                let mut by_rounds = [0usize; 65];
-                for ((l, m), &key) in lo[..np].iter_mut().zip(&mut len[..np]).zip(&kv[..np]) {
-                    let (a, z) = ch.range(key)?;
+                // first, the searches still running in round t are a prefix of the array:
+                // they advance in lockstep, one halving per round, so their memory loads
+                // overlap, with no wasted step and no per-candidate branch.
+                let mut by_rounds = [0u32; 65];
+                for p in &mut pend[..np] {
+                    let (a, z) = ch.range(p.key)?;
                     // An empty bucket searches at the context's first child instead (always
                     // a valid index; `len` 0 keeps it from matching).
-                    *l = if z > a { a } else { ch.lo };
-                    *m = z - a;
-                    by_rounds[rounds(*m)] += 1;
+                    p.lo = if z > a { a } else { ch.lo };
+                    p.len = z - a;
+                    p.rounds = rounds(p.len) as u32;
+                    by_rounds[p.rounds as usize] += 1;
                 }
-                let mut start = [0usize; 65];
+                let mut start = [0u32; 65];
                 let mut acc = 0;
-                for r in (0..65).rev() {
-                    start[r] = acc;
-                    acc += by_rounds[r];
+                for (s, &n) in start.iter_mut().zip(&by_rounds).rev() {
+                    *s = acc;
+                    acc += n;
                 }
-                for p in 0..np {
-                    let q = &mut start[rounds(len[p])];
-                    (s_pend[*q], s_cv[*q], s_kv[*q]) = (pend[p], cv[p], kv[p]);
-                    (s_lo[*q], s_len[*q]) = (lo[p], len[p]);
+                for p in &pend[..np] {
+                    let q = &mut start[p.rounds as usize];
+                    sorted[*q as usize] = *p;
                     *q += 1;
                 }
-                let mut active = np - by_rounds[0];
+                let mut active = np - by_rounds[0] as usize;
                 let mut r = 0;
                 while active > 0 {
-                    for ((l, m), &c) in s_lo[..active]
-                        .iter_mut()
-                        .zip(&mut s_len[..active])
-                        .zip(&s_cv[..active])
-                    {
-                        let half = *m / 2;
-                        let v = ch.toks.get(*l + half);
-                        // Keeps the last child <= c in range: it is c exactly when c is a
-                        // child. A conditional move: the outcome is a coin flip.
-                        *l = std::hint::select_unpredictable(v <= c, *l + half, *l);
-                        *m -= half;
+                    for p in &mut sorted[..active] {
+                        let half = p.len / 2;
+                        let v = ch.toks.get_narrow(p.lo + half);
+                        // Keeps the last child <= token in range: it is the token exactly
+                        // when the token is a child. A conditional move: a coin flip.
+                        p.lo = std::hint::select_unpredictable(v <= p.token, p.lo + half, p.lo);
+                        p.len -= half;
                     }
                     r += 1;
-                    active -= by_rounds[r];
+                    active -= by_rounds[r] as usize;
                 }
+                // The children's count ranks and count table, looked up once.
+                let lv = &self.levels[c.order];
+                let ranks = self.view(lv.counts);
+                let (off, n_values) = lv.values;
+                let table = &self.map[off..off + 8 * n_values as usize];
                 let mut keep = 0;
-                for p in 0..np {
-                    let j = s_lo[p];
-                    if s_len[p] > 0 && ch.toks.get(j) == s_cv[p] {
-                        let i = base + s_pend[p] as usize;
-                        let child = self.count_at(c.order + 1, j)?;
+                for p in &sorted[..np] {
+                    if p.len > 0 && ch.toks.get_narrow(p.lo) == p.token {
+                        let r = ranks.get(p.lo);
+                        let at = (r as usize).wrapping_mul(8);
+                        let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values)
+                        else {
+                            return Err(self.bad_rank(c.order + 1, p.lo, r, n_values));
+                        };
+                        let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
+                        let i = p.slot as usize;
                         probs[i] = self.ratio(child, &c)? as f32;
                         matched[i] = c.order as u8;
                     } else {
-                        pend[keep] = s_pend[p];
-                        cv[keep] = s_cv[p];
-                        kv[keep] = s_kv[p];
+                        pend[keep] = *p;
                         keep += 1;
                     }
                 }
@@ -1232,14 +1268,16 @@ mod tests {
             min_count in 1u64..=3,
             top in 1u32..=4,
             eos in any::<bool>(),
+            stride in prop::sample::select(vec![0u32, 1, 2, 3, 8]),
         ) {
             let eos = eos.then_some(vocab - 1);
             let c = count_corpus(&docs, order, vocab, eos, min_count);
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
-            let report = c.write(&path, top).unwrap();
+            let report = c.write_with_stride(&path, top, stride).unwrap();
             let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
             prop_assert_eq!(report.bytes, m.bytes());
+            prop_assert_eq!(m.info().format_version, if stride == 0 { 1 } else { 2 });
             prop_assert_eq!(m.order(), order);
             prop_assert_eq!(m.eos_id(), eos);
             prop_assert_eq!(m.meta(), c.meta());
@@ -1250,9 +1288,42 @@ mod tests {
             }
             check_against(&m, &c, &contexts_of(&c));
         }
+
+        /// More candidates than one search block, large fan-outs and skewed token ids, so
+        /// the bucket jumps, the lockstep searches and the block boundaries all get used.
+        #[test]
+        fn many_candidates_match_brute_force(
+            docs in prop::collection::vec(prop::collection::vec((0u32..12, 0u32..140), 0..300), 1..6),
+            stride in prop::sample::select(vec![0u32, 1, 2, 5, 8]),
+        ) {
+            // Mostly small ids (as in real vocabularies), now and then any id.
+            let docs: Vec<Vec<u32>> = docs
+                .iter()
+                .map(|d| d.iter().map(|&(a, b)| if a < 9 { b % 20 } else { b }).collect())
+                .collect();
+            let c = count_corpus(&docs, 3, 150, Some(149), 1);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.ngram");
+            c.write_with_stride(&path, 4, stride).unwrap();
+            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            let cands: Vec<u32> = (0..150).rev().collect();
+            let (mut p, mut k) = (vec![0f32; 150], vec![0u8; 150]);
+            let mut ctxs: Vec<Vec<u32>> = c.grams.keys().filter(|g| g.len() == 2).take(40).cloned().collect();
+            ctxs.push(vec![3]);
+            ctxs.push(vec![148, 3]);
+            for ctx in &ctxs {
+                m.prob_many(ctx, &cands, &mut p, &mut k).unwrap();
+                for (i, &x) in cands.iter().enumerate() {
+                    let (want, len) = c.prob(ctx, x);
+                    prop_assert_eq!((p[i], k[i]), (want as f32, len), "P({} | {:?})", x, ctx);
+                }
+            }
+        }
     }
 
-    fn small_model(dir: &Path) -> (PathBuf, Counts) {
+    /// A small order-3 model; `stride` 1 gives every context of 2+ children bucket entries,
+    /// 0 writes version 1 (no buckets).
+    fn small_model_with(dir: &Path, stride: u32) -> (PathBuf, Counts) {
         let docs = vec![
             vec![1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 6, 1],
             vec![2, 3, 1, 2, 3, 7, 7, 7, 1, 5],
@@ -1260,8 +1331,12 @@ mod tests {
         ];
         let c = count_corpus(&docs, 3, 9, Some(8), 1);
         let path = dir.join("small.ngram");
-        c.write(&path, 2).unwrap();
+        c.write_with_stride(&path, 2, stride).unwrap();
         (path, c)
+    }
+
+    fn small_model(dir: &Path) -> (PathBuf, Counts) {
+        small_model_with(dir, 1)
     }
 
     /// Every query kind over every context and candidate; must not panic whatever the bytes.
@@ -1286,22 +1361,30 @@ mod tests {
 
     #[test]
     fn every_truncation_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, _) = small_model(dir.path());
-        let bytes = std::fs::read(&path).unwrap();
-        let cut = dir.path().join("cut.ngram");
-        for len in 0..bytes.len() {
-            std::fs::write(&cut, &bytes[..len]).unwrap();
-            let err = NGramModel::open(&cut).expect_err(&format!("truncated to {len}"));
-            assert!(matches!(err, NGramError::Corrupt { .. }), "{len}: {err}");
-            assert!(err.to_string().contains("cut.ngram"), "{err}");
+        for stride in [0, 1] {
+            let dir = tempfile::tempdir().unwrap();
+            let (path, _) = small_model_with(dir.path(), stride);
+            let bytes = std::fs::read(&path).unwrap();
+            let cut = dir.path().join("cut.ngram");
+            for len in 0..bytes.len() {
+                std::fs::write(&cut, &bytes[..len]).unwrap();
+                let err = NGramModel::open(&cut).expect_err(&format!("truncated to {len}"));
+                assert!(matches!(err, NGramError::Corrupt { .. }), "{len}: {err}");
+                assert!(err.to_string().contains("cut.ngram"), "{err}");
+            }
         }
     }
 
     #[test]
     fn header_bytes_are_checked_and_section_bytes_verified() {
+        for stride in [0, 1] {
+            flipped_bytes_are_caught(stride);
+        }
+    }
+
+    fn flipped_bytes_are_caught(stride: u32) {
         let dir = tempfile::tempdir().unwrap();
-        let (path, c) = small_model(dir.path());
+        let (path, c) = small_model_with(dir.path(), stride);
         let bytes = std::fs::read(&path).unwrap();
         let hl = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
         let bad = dir.path().join("bad.ngram");
@@ -1370,6 +1453,21 @@ mod tests {
             ("token width", Box::new(|h| h.token_bits += 1)),
             ("eos", Box::new(|h| h.eos = 100)),
             ("expected", Box::new(|h| h.sections.swap(0, 1))),
+            ("bucket stride", Box::new(|h| h.version = 1)),
+            ("bucket stride", Box::new(|h| h.bucket_stride = 0)),
+            (
+                "child bucket width",
+                Box::new(|h| h.orders[0].bucket_width = 0),
+            ),
+            (
+                "child bucket width",
+                Box::new(|h| h.orders[2].bucket_width = 3),
+            ),
+            (
+                "child bucket width",
+                Box::new(|h| h.orders[1].bucket_width = h.orders[1].child_width + 1),
+            ),
+            ("imply", Box::new(|h| h.bucket_stride = 2)),
         ];
         for (want, f) in cases {
             let p = dir.path().join("x.ngram");
@@ -1407,6 +1505,68 @@ mod tests {
         );
         assert!(m.verify().is_err());
         exercise(&m);
+    }
+
+    #[test]
+    fn corrupt_child_buckets_are_errors_at_query_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let mut bytes = std::fs::read(&path).unwrap();
+        let m = NGramModel::open(&path).unwrap();
+        m.verify().unwrap();
+        // Every bucket entry of token 1's children set to all ones (checksums left stale).
+        let (lo, hi) = m.children_of(1, 1).unwrap();
+        let slice = BucketSlice::new(lo, hi, m.header.bucket_stride);
+        assert!(slice.entries > 0, "token 1 has bucket entries at stride 1");
+        let s = *m.header.section(SectionKind::ChildBuckets, 1).unwrap();
+        let w = m.header.orders[0].bucket_width as u64;
+        drop(m);
+        for bit in slice.first * w..(slice.first + slice.entries) * w {
+            let at = s.offset as usize * 8 + bit as usize;
+            bytes[at / 8] |= 1 << (at % 8);
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let m = NGramModel::open(&path).unwrap();
+        for r in [m.prob(&[1, 2], 3).map(|_| ()), m.count(&[1, 2]).map(|_| ())] {
+            let err = r.unwrap_err();
+            assert!(
+                matches!(err, NGramError::Corrupt { .. }) && err.to_string().contains("bucket"),
+                "{err}"
+            );
+        }
+        assert!(m.verify().is_err());
+        exercise(&m);
+    }
+
+    #[test]
+    fn version_1_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, c) = small_model_with(dir.path(), 0);
+        let m = NGramModel::open_with(
+            &path,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(m.info().format_version, 1);
+        assert!(m.info().sections.iter().all(|s| s.kind != "child-buckets"));
+        check_against(&m, &c, &contexts_of(&c));
+        // A version this build does not know is refused by name.
+        patch_header(&path, |h| h.version = 3);
+        let err = NGramModel::open(&path).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                NGramError::UnsupportedVersion {
+                    found: 3,
+                    supported: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

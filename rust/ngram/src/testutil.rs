@@ -5,7 +5,9 @@ use std::path::Path;
 
 use crate::error::Result;
 use crate::key;
-use crate::writer::{write_model, CountStream, ModelMeta, WriteOptions, WriteReport};
+use crate::writer::{
+    write_model, write_model_with_stride, CountStream, ModelMeta, WriteOptions, WriteReport,
+};
 
 #[derive(Clone, Debug)]
 pub struct Counts {
@@ -100,6 +102,23 @@ impl Counts {
             &self.uni,
             self.streams(),
             &WriteOptions { top_list_len },
+        )
+    }
+
+    /// [`Self::write`] with `bucket_stride` children per child-bucket entry (0: version 1).
+    pub fn write_with_stride(
+        &self,
+        path: &Path,
+        top_list_len: u32,
+        bucket_stride: u32,
+    ) -> Result<WriteReport> {
+        write_model_with_stride(
+            path,
+            &self.meta(),
+            &self.uni,
+            self.streams(),
+            &WriteOptions { top_list_len },
+            bucket_stride,
         )
     }
 

@@ -23,8 +23,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::bits::{width_for, PackedWriter};
 use crate::error::{NGramError, Result};
 use crate::format::{
-    BucketSlice, Header, OrderRecord, Section, SectionKind, DEFAULT_BUCKET_STRIDE, MAX_SOURCE,
-    MIN_VERSION, NO_EOS, VERSION,
+    BucketSlice, Header, OrderRecord, Section, SectionKind, DEFAULT_BUCKET_STRIDE,
+    MAX_BUCKET_WIDTH, MAX_SOURCE, MIN_VERSION, NO_EOS, VERSION,
 };
 use crate::key;
 
@@ -196,6 +196,12 @@ pub(crate) fn write_model_with_stride(
             } else {
                 0
             };
+            if bw > MAX_BUCKET_WIDTH {
+                return Err(bad(format!(
+                    "an order-{n} context has {} children, more than a child-bucket entry holds",
+                    child.max_bucketed_children
+                )));
+            }
             (width_for(child.entries), child.top_contexts, tw, bw)
         } else {
             (0, 0, 0, 0)
