@@ -5,13 +5,17 @@ are checked directly too."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_tiny_target, make_tiny_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dart_client import DartModel, ar_generate, dart_generate
 from dart_client.models.head import DartHead
@@ -33,8 +37,8 @@ def model(tiny_ngram_path: Path) -> DartModel:
 
 def test_race_reproduces_both_methods(model: DartModel) -> None:
     ids = model.encode_input(prompt="w5 w6 w7 w8")
-    settings = RaceSettings(max_new_tokens=20, tree_budget=6)
-    states = list(race(model, ids, settings, min_interval=0.0))
+    race_settings = RaceSettings(max_new_tokens=20, tree_budget=6)
+    states = list(race(model, ids, race_settings, min_interval=0.0))
     ar, dart = states[-1]
     assert ar.done and dart.done
     want = ar_generate(model, input_ids=ids, max_new_token_num=20)
@@ -43,9 +47,8 @@ def test_race_reproduces_both_methods(model: DartModel) -> None:
     assert [t for s in dart.steps for t in s] == got.tokens == want.tokens
     assert [len(s) for s in dart.steps] == got.accept_lengths
     assert ar.seconds > 0 and dart.seconds > 0
-    # Fair scheduling: the side behind in compute time always moves next, so neither ever
-    # leads by more than one step's time while both run.
-    assert len(states) > 2
+    # Streamed: one update per step (min_interval 0), the two sides' steps interleaved.
+    assert len(states) == len(ar.steps) + len(dart.steps) + 2
 
 
 def test_rendering_shades_accepted_runs(model: DartModel) -> None:
@@ -112,3 +115,27 @@ def test_page_in_headless_chromium(served: str, tmp_path: Path) -> None:
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_tokenizer_dir: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_step_texts_concatenate_to_the_decoded_text(smol_tokenizer: Any, data: Any) -> None:
+    """Real byte-level BPE, any split into steps (multi-byte characters cut included): the
+    panes' pieces put together are exactly the decoded output."""
+    ids = data.draw(st.lists(st.integers(0, len(smol_tokenizer) - 1), min_size=1, max_size=30))
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, len(ids) - 1), max_size=10)) if len(ids) > 1 else []
+    )
+    bounds = [0, *cuts, len(ids)]
+    steps = [ids[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces = step_texts(smol_tokenizer, steps)
+    assert len(pieces) == len(steps)
+    full = smol_tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert "".join(pieces) == full

@@ -5,9 +5,9 @@
         [--threads N] [--tree-budget auto|N] [--remote auto|HOST:PORT] [--temperature T]
         [--output-dir bench-results]
 
-Defaults: the embedded SmolLM2-135M-Instruct (bf16 on CPU), the head in
-``heads/smollm2-135m-dart`` when it has been trained, else an untrained random head (said so in
-the report: tau near 1), the embedded ShareGPT 3-gram, greedy decoding. Writes results.json,
+Defaults: the embedded SmolLM2-135M-Instruct (bf16 on CPU), the head shipped for it in
+``dart_client/heads/smollm2-135m-dart`` (an untrained random head when none is there, said so
+in the report: tau near 1), the embedded ShareGPT 3-gram, greedy decoding. Writes results.json,
 results.md and PNG plots under ``--output-dir`` and prints the Markdown table.
 """
 
@@ -37,8 +37,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--head",
         default="auto",
-        help="DART head directory; 'random' for an untrained head; 'auto' (default): "
-        f"{harness.EMBEDDED_HEAD_DIR.relative_to(harness.REPO_ROOT)} when present, else random",
+        help="DART head directory; 'random' for an untrained head; 'auto' (default): the "
+        "head shipped for the embedded SmolLM2 when the target is the embedded one, else random",
     )
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -65,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method")
     g.add_argument("--tree-budget", default="auto", help="draft nodes per step: N or 'auto'")
     g.add_argument(
+        "--compare-budgets",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="N",
+        help="also run DART with these fixed budgets (as dart@N), e.g. 60, the reference's",
+    )
+    g.add_argument(
         "--remote",
         default=None,
         help="dart-remote's daemon: 'auto' starts dart-ngram serve on 127.0.0.1 (ephemeral "
@@ -85,7 +93,7 @@ def resolve_head(head: str, base: str | None, notes: list[str]) -> str:
     """``auto``: the trained embedded head when present (and the target is the embedded one)."""
     if head != "auto":
         return head
-    if base is None and (harness.EMBEDDED_HEAD_DIR / "config.json").is_file():
+    if base is None and (harness.EMBEDDED_HEAD_DIR / "model.safetensors").is_file():
         notes.append(f"head: {harness.EMBEDDED_HEAD_DIR}")
         return str(harness.EMBEDDED_HEAD_DIR)
     notes.append(
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
             tree_budget=budget,
             remote=args.remote,
             pld_tokens=args.pld_tokens,
+            compare_budgets=args.compare_budgets,
             notes=notes,
             closers=closers,
         )

@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-#: Where the trained head of the embedded default lands (the training issue ships it).
-EMBEDDED_HEAD_DIR = REPO_ROOT / "heads" / "smollm2-135m-dart"
+#: The trained head of the embedded default, shipped inside the package.
+EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
 METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-remote")
 STAGES = ("prefill", "draft", "prune", "verify", "accept", "compact")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
@@ -480,12 +481,15 @@ def build_methods(
     tree_budget: int | str | None = None,
     remote: str | None = None,
     pld_tokens: int = 10,
+    compare_budgets: Sequence[int] = (),
     notes: list[str] | None = None,
     closers: list[Callable[[], None]] | None = None,
 ) -> list[Method]:
     """The requested methods over one loaded model. ``model`` needs a head and an in-process
-    pruner for the DART methods; ``remote`` is ``auto`` (start a daemon) or ``host:port``.
-    Methods that cannot run here are left out with a note saying why."""
+    pruner for the DART methods; ``remote`` is ``auto`` (start a daemon) or ``host:port``;
+    ``compare_budgets`` adds ``dart@N`` (in-process pruner, fixed budget N) per value, e.g.
+    the reference's GPU budget 60 beside the tuned one. Methods that cannot run here are left
+    out with a note saying why."""
     from dart_client.dart_model import DartModel
     from dart_client.pruner import Pruner, PrunerConfig
 
@@ -546,6 +550,17 @@ def build_methods(
                         name, dart_model(pruner), "DART, pruner over gRPC (daemon)", tree_budget
                     )
                 )
+    for b in compare_budgets:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise BenchError(f"compare budget {b!r}: expected an integer >= 0")
+        if model.head is None or model.pruner is None:
+            notes.append(f"dart@{b}: skipped (no DART head / pruner loaded)")
+            continue
+        out.append(
+            DartLoopMethod(
+                f"dart@{b}", dart_model(model.pruner), f"DART, in-process pruner, budget {b}", b
+            )
+        )
     return out
 
 

@@ -3,8 +3,8 @@
     dart demo --ui [--port 7860] [--host 127.0.0.1] [--base MODEL] [--head DIR|random]
         [--ngram PATH|embedded] [--dtype bf16] [--threads N]
 
-Loads the embedded default (SmolLM2-135M-Instruct bf16 on CPU, the trained head in
-``heads/smollm2-135m-dart`` when present, else a random one, the ShareGPT 3-gram) unless other
+Loads the embedded default (SmolLM2-135M-Instruct bf16 on CPU, the head shipped for it in
+``dart_client/heads/smollm2-135m-dart``, else a random one, the ShareGPT 3-gram) unless other
 models are given. The page streams one prompt through both methods (see
 :mod:`dart_client.ui.race`), shows tokens/s, tau and the speedup, and shades each DART step's
 accepted run; temperature, top-p, top-k, the token limit, the tree budget and the seed are

@@ -3,7 +3,9 @@
 //!
 //! The model is written from a synthetic Zipfian corpus of about 4M tokens (a 49152-token
 //! vocabulary, each token drawn from a Zipf law shifted by its predecessor so contexts have
-//! realistic fan-out). Set `DART_BENCH_MODEL=/path/model.ngram` to bench a real model too.
+//! realistic fan-out). Set `DART_BENCH_MODEL=/path/model.ngram` to bench a real model too (a
+//! version-1 file is read without child buckets; `dart-ngram merge OLD --output NEW` rewrites
+//! it in the current version).
 
 use std::hint::black_box;
 use std::path::{Path, PathBuf};

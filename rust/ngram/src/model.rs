@@ -2,8 +2,9 @@
 //!
 //! Opening reads and checks the header only (O(order), no scan, no RAM beyond the pages
 //! touched). Queries walk the CSR levels: a context is located once per suffix length, then
-//! each candidate is a binary search among that context's children, which are sorted by token
-//! id. Every offset read from the file is checked before use, so a corrupt file yields
+//! each candidate is looked up among that context's children (sorted by token id): a jump
+//! through the context's child buckets (version 2) to a few entries, then a binary search of
+//! those; `prob_many` runs all its candidates' searches in lockstep. Every offset read from the file is checked before use, so a corrupt file yields
 //! [`NGramError::Corrupt`], never a panic; [`NGramModel::verify`] checks the section checksums
 //! and every structural invariant with a full scan.
 
@@ -1448,7 +1449,8 @@ mod tests {
             ),
             ("outside", Box::new(|h| h.sections[0].offset = 8)),
             ("imply", Box::new(|h| h.sections[1].length += 8)),
-            ("child offsets span", Box::new(|h| h.orders[2].ngrams += 1)),
+            // The child-bucket table of order 2 has one entry per order-3 n-gram at stride 1.
+            ("imply", Box::new(|h| h.orders[2].ngrams += 1)),
             ("width", Box::new(|h| h.orders[1].child_width += 1)),
             ("token width", Box::new(|h| h.token_bits += 1)),
             ("eos", Box::new(|h| h.eos = 100)),
@@ -1459,15 +1461,12 @@ mod tests {
                 "child bucket width",
                 Box::new(|h| h.orders[0].bucket_width = 0),
             ),
-            (
-                "child bucket width",
-                Box::new(|h| h.orders[2].bucket_width = 3),
-            ),
+            ("has children", Box::new(|h| h.orders[2].bucket_width = 3)),
             (
                 "child bucket width",
                 Box::new(|h| h.orders[1].bucket_width = h.orders[1].child_width + 1),
             ),
-            ("imply", Box::new(|h| h.bucket_stride = 2)),
+            ("imply", Box::new(|h| h.bucket_stride = 1000)),
         ];
         for (want, f) in cases {
             let p = dir.path().join("x.ngram");
@@ -1479,6 +1478,11 @@ mod tests {
                 "{want}: {err}"
             );
         }
+        // Without buckets (version 1) the same patch reaches the CSR cross-check.
+        let (path, _) = small_model_with(dir.path(), 0);
+        patch_header(&path, |h| h.orders[2].ngrams += 1);
+        let err = NGramModel::open(&path).unwrap_err();
+        assert!(err.to_string().contains("child offsets span"), "{err}");
     }
 
     #[test]

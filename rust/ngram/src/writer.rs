@@ -10,8 +10,9 @@
 //!
 //! Memory stays bounded whatever the model size: each order is spooled to an anonymous
 //! temporary file beside the output (16 bytes per n-gram) and re-read sequentially to pack the
-//! columns; only the per-order table of distinct counts and one context's children are held in
-//! RAM.
+//! columns (the child buckets in a second pass, once every order's token keys are known); only
+//! the per-order table of distinct counts, the per-token key counts and one context's children
+//! are held in RAM.
 
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
