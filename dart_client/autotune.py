@@ -159,8 +159,7 @@ def autotune(
             steps[b].extend(lengths)
             prune_times[b].extend(seconds)
 
-    verify = _verify_costs(model, clean, context_tokens, repeats, clock, seed)
-    ar_ms = _ar_forward_ms(model, context_tokens, repeats, clock, seed)
+    verify, ar_ms = _verify_costs(model, clean, context_tokens, repeats, clock, seed)
     draft_ms = 1e3 * statistics.median(draft_times) if draft_times else 0.0
     notes: list[str] = []
     curve = []
@@ -386,39 +385,34 @@ def _verify_costs(
     repeats: int,
     clock: _Clock,
     seed: int,
-) -> dict[int, float]:
-    """Median milliseconds of one tree verification forward per budget."""
+) -> tuple[dict[int, float], float]:
+    """Median milliseconds of one tree verification forward per budget, and of one
+    autoregressive forward (one token, no taps: what ``ar_generate`` runs)."""
     target = model.target
     cache, n = _prefilled(model, context_tokens, seed)
     rng = np.random.default_rng(seed + 1)
     trees = {b: _random_tree(b + 1, rng, target.vocab_size) for b in budgets}
-    verify_tree(target, cache, trees[budgets[-1]])  # warm-up
-    cache.truncate(n)
-    samples: dict[int, list[float]] = {b: [] for b in budgets}
-    # Budgets interleaved per round, so a load burst on a shared machine hits all alike.
+    token = torch.tensor([[1]], dtype=torch.long, device=target.device)
+    position = torch.tensor([[n]], dtype=torch.long, device=target.device)
+
+    def ar_forward() -> None:
+        target.forward(token, position, cache, logits_to_keep=1, taps=False)
+
+    def tree_forward(b: int) -> Any:
+        return lambda: verify_tree(target, cache, trees[b])
+
+    runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
+    for run in (runs[-1], runs[budgets[-1]]):  # warm-up
+        run()
+        cache.truncate(n)
+    samples: dict[int, list[float]] = {b: [] for b in runs}
+    # The AR forward and every budget interleaved per round, so a load burst on a shared
+    # machine hits them alike and the estimated speedups compare like with like.
     for _ in range(repeats):
-        for b in budgets:
+        for b, run in runs.items():
             t0 = clock()
-            verify_tree(target, cache, trees[b])
+            run()
             samples[b].append(clock() - t0)
             cache.truncate(n)
-    return {b: 1e3 * statistics.median(s) for b, s in samples.items()}
-
-
-@torch.no_grad()
-def _ar_forward_ms(
-    model: DartModel, context_tokens: int, repeats: int, clock: _Clock, seed: int
-) -> float:
-    """Median milliseconds of one autoregressive target forward (no taps)."""
-    target = model.target
-    cache, n = _prefilled(model, context_tokens, seed)
-    ids = torch.tensor([[1]], dtype=torch.long, device=target.device)
-    pos = torch.tensor([[n]], dtype=torch.long, device=target.device)
-    samples = []
-    for i in range(repeats + 1):
-        t0 = clock()
-        target.forward(ids, pos, cache, logits_to_keep=1, taps=False)
-        if i:
-            samples.append(clock() - t0)
-        cache.truncate(n)
-    return 1e3 * statistics.median(samples)
+    ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
+    return {b: ms[b] for b in budgets}, ms[-1]
