@@ -82,6 +82,9 @@ fn rounds(len: u64) -> usize {
     (64 - len.saturating_sub(1).leading_zeros()) as usize
 }
 
+/// Children up to which a single lookup skips the child buckets.
+const SMALL_CONTEXT: u64 = 64;
+
 /// Size of the candidate blocks of `prob_many` (their search state lives on the stack).
 const BLOCK: usize = 32;
 
@@ -148,6 +151,11 @@ impl Children<'_> {
     /// Index (in order `order + 1`) of the child whose token is `t`, if there is one.
     #[inline]
     fn find(&self, t: u64) -> Result<Option<u64>> {
+        // A lone lookup in a small context is faster as a plain binary search than through
+        // the token key and bucket loads it would wait on.
+        if self.hi - self.lo <= self.model.small_context {
+            return Ok(self.toks.find(self.lo, self.hi, t));
+        }
         let (lo, hi) = self.range(self.model.token_key(t))?;
         Ok(self.toks.find(lo, hi, t))
     }
@@ -193,6 +201,9 @@ pub struct NGramModel {
     levels: Vec<Level>,
     /// Version 2: byte offset of the token keys (`vocab_size` u32 LE).
     keys: Option<usize>,
+    /// Children up to which a single lookup skips the child buckets ([`SMALL_CONTEXT`];
+    /// tests lower it to reach the buckets in small models).
+    small_context: u64,
 }
 
 impl std::fmt::Debug for NGramModel {
@@ -239,6 +250,7 @@ impl NGramModel {
             header,
             levels: Vec::new(),
             keys: None,
+            small_context: SMALL_CONTEXT,
         };
         model.levels = model.build_levels()?;
         model.keys = model
@@ -801,9 +813,13 @@ impl NGramModel {
             let longer = &ctxs[..ci];
             let toks = self.view(self.levels[ctx.order].tokens);
             // A child also seen after a longer suffix takes its probability from there.
+            let longer_kids: Vec<Children<'_>> = longer
+                .iter()
+                .map(|l| self.children(l.order, l.lo, l.hi))
+                .collect();
             let overridden = |t: u64| -> Result<bool> {
-                for l in longer {
-                    if self.children(l.order, l.lo, l.hi).find(t)?.is_some() {
+                for l in &longer_kids {
+                    if l.find(t)?.is_some() {
                         return Ok(true);
                     }
                 }
@@ -1270,13 +1286,15 @@ mod tests {
             top in 1u32..=4,
             eos in any::<bool>(),
             stride in prop::sample::select(vec![0u32, 1, 2, 3, 8]),
+            small_context in prop::sample::select(vec![0u64, 2, SMALL_CONTEXT]),
         ) {
             let eos = eos.then_some(vocab - 1);
             let c = count_corpus(&docs, order, vocab, eos, min_count);
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
             let report = c.write_with_stride(&path, top, stride).unwrap();
-            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            let mut m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            m.small_context = small_context;
             prop_assert_eq!(report.bytes, m.bytes());
             prop_assert_eq!(m.info().format_version, if stride == 0 { 1 } else { 2 });
             prop_assert_eq!(m.order(), order);
@@ -1530,7 +1548,8 @@ mod tests {
             bytes[at / 8] |= 1 << (at % 8);
         }
         std::fs::write(&path, &bytes).unwrap();
-        let m = NGramModel::open(&path).unwrap();
+        let mut m = NGramModel::open(&path).unwrap();
+        m.small_context = 0;
         for r in [m.prob(&[1, 2], 3).map(|_| ()), m.count(&[1, 2]).map(|_| ())] {
             let err = r.unwrap_err();
             assert!(
