@@ -101,6 +101,11 @@ impl Metrics {
             .unwrap_or(OTHER)
     }
 
+    /// Requests being handled now.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     pub fn set_model_bytes(&self, bytes: u64) {
         self.model_bytes.store(bytes, Ordering::Relaxed);
     }

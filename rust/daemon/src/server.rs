@@ -12,6 +12,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
+/// How long a shutdown lingers after the last handler returned, for its response to be sent.
+const DRAIN_LINGER: Duration = Duration::from_millis(250);
+
 use crate::error::{DaemonError, Result};
 use crate::layer::ObserveLayer;
 use crate::metrics::Metrics;
@@ -147,6 +150,7 @@ impl Bound {
         let grace = options.shutdown_grace;
         let drain_started = Arc::new(tokio::sync::Notify::new());
         let drain_started2 = Arc::clone(&drain_started);
+        let draining_metrics = Arc::clone(&metrics);
         let signal = async move {
             shutdown.await;
             tracing::info!(
@@ -158,6 +162,16 @@ impl Bound {
             reporter
                 .set_not_serving::<NGramServiceServer<Arc<NGramServer>>>()
                 .await;
+            // Let the handlers of requests already received finish before the transport starts
+            // closing connections: a request whose body is still arriving when the HTTP/2
+            // shutdown begins can otherwise be reset under load.
+            let deadline = tokio::time::Instant::now() + grace;
+            while draining_metrics.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            // A handler that has returned may still be writing its response body; give the
+            // writes a moment before the transport closes idle connections.
+            tokio::time::sleep(DRAIN_LINGER.min(grace)).await;
             drain_started2.notify_one();
         };
 
