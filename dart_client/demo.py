@@ -4,7 +4,9 @@
    tokenizer, and shows its size, build time and a few queries.
 2. Generates replies to a few prompts with SmolLM2-135M-Instruct (bf16, CPU) twice: plain
    autoregressive decoding and DART with the shipped head, and prints both speeds, tau and
-   whether the outputs are identical (they must be: greedy DART is lossless).
+   whether the outputs are identical. Greedy DART is lossless; in bf16 the tree forward and
+   the one-token forward can still round a near-tie of the target's logits differently (the
+   tests check that every such divergence is a near-tie; in float32/64 outputs match).
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def generation_demo(max_new_tokens: int, threads: int | None) -> None:
             totals[name][1] += result.elapsed
         steps += out.steps
         accepted += sum(out.accept_lengths[1:])
-        same = "identical" if list(ar.tokens) == list(out.tokens) else "DIFFERENT"
+        same = (
+            "identical"
+            if list(ar.tokens) == list(out.tokens)
+            else "different (a bf16 near-tie: see the docstring)"
+        )
         print(
             f"\n> {prompt}\n{out.text.strip()}\n"
             f"[AR {ar.tokens_per_second:.1f} tok/s | DART {out.tokens_per_second:.1f} tok/s, "
