@@ -5,7 +5,9 @@
 //! * `build_ids`: a whole build of pre-tokenized JSON lines with a 1 MiB budget, so the
 //!   model written is several times larger than the budget (spills and merges).
 //! * `tokenize`: one thread encoding real text, when `DART_BENCH_TOKENIZER` (tokenizer.json)
-//!   and `DART_BENCH_CORPUS` (JSON lines with a `text` field) are set.
+//!   and `DART_BENCH_CORPUS` (JSON lines with a `text` field) are set: the `tokenizers`
+//!   crate's own `encode`, and the build's [`Encoder`](dart_ngram_build::tokenize::Encoder)
+//!   (the byte-level BPE fast path with its word cache, when the tokenizer allows it).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -120,6 +122,17 @@ fn bench_tokenize(c: &mut Criterion) {
             docs.iter()
                 .map(|d| tok.encode(d).unwrap().len())
                 .sum::<usize>()
+        })
+    });
+    // A fresh encoder per iteration: its word cache starts empty, as a build's does.
+    g.bench_function("one_thread_300_docs_encoder", |b| {
+        b.iter(|| {
+            let mut enc = tok.encoder();
+            let mut ids = Vec::new();
+            for d in &docs {
+                enc.encode_into(d, &mut ids).unwrap();
+            }
+            ids.len()
         })
     });
     g.finish();

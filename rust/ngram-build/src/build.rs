@@ -25,9 +25,10 @@ use dart_ngram::writer::{self, ModelMeta, WriteOptions};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
+use crate::bytelevel;
 use crate::corpus::{self, Doc, InputFile, InputKind, RawBatch};
 use crate::extsort::{self, DuplicatePolicy, ExternalCounter, SortedCounts};
-use crate::tokenize::{self, EosChoice, LoadedTokenizer};
+use crate::tokenize::{self, Encoder, EosChoice, LoadedTokenizer};
 
 /// Bytes of raw input per batch handed to a worker.
 const BATCH_BYTES: usize = 1 << 20;
@@ -165,7 +166,8 @@ struct WorkerCtx<'a> {
 }
 
 impl WorkerCtx<'_> {
-    fn process(&self, batch: &RawBatch) -> Result<TokBatch> {
+    fn process(&self, batch: &RawBatch, enc: Option<&mut Encoder<'_>>) -> Result<TokBatch> {
+        let mut enc = enc;
         let mut out = TokBatch {
             tokens: Vec::with_capacity(batch.data.len() / 3 + 16),
             ends: Vec::with_capacity(batch.ends.len()),
@@ -174,7 +176,7 @@ impl WorkerCtx<'_> {
         };
         for (line_no, line) in batch.lines() {
             let start = out.tokens.len();
-            match self.document(&batch.file, line, &mut out.tokens) {
+            match self.document(&batch.file, line, enc.as_deref_mut(), &mut out.tokens) {
                 Ok(true) => {
                     if let Some(eos) = self.eos {
                         out.tokens.push(eos);
@@ -205,6 +207,7 @@ impl WorkerCtx<'_> {
         &self,
         file: &InputFile,
         line: &[u8],
+        enc: Option<&mut Encoder<'_>>,
         out: &mut Vec<u32>,
     ) -> std::result::Result<bool, String> {
         let doc = match file.kind {
@@ -228,13 +231,12 @@ impl WorkerCtx<'_> {
                 }
             }
             Doc::Text(text) => {
-                let tok = self.tokenizer.ok_or_else(|| {
+                let enc = enc.ok_or_else(|| {
                     "a text document needs a tokenizer; give --tokenizer tokenizer.json \
                      (or use pre-tokenized \"ids\" lines)"
                         .to_string()
                 })?;
-                let ids = tok.encode(&text).map_err(|e| e.to_string())?;
-                out.extend_from_slice(&ids);
+                enc.encode_into(&text, out).map_err(|e| e.to_string())?;
             }
         }
         Ok(true)
@@ -383,7 +385,12 @@ pub fn count_corpus(opts: &BuildOptions) -> Result<CorpusCounts> {
     // The table gets the budget minus the dense unigram array and the batches in flight;
     // never less than half the budget, so tiny budgets still count (the batches are then
     // part of the fixed overhead beside the budget).
-    let in_flight = (4 * threads as u64 + 4) * BATCH_BYTES as u64;
+    let in_flight = (4 * threads as u64 + 4) * BATCH_BYTES as u64
+        + if tokenizer.as_ref().is_some_and(|t| t.has_fast_path()) {
+            threads as u64 * bytelevel::CACHE_BYTES as u64
+        } else {
+            0
+        };
     let mut table_bytes = opts
         .memory
         .saturating_sub(unigram_bytes + in_flight)
@@ -451,8 +458,9 @@ pub fn count_corpus(opts: &BuildOptions) -> Result<CorpusCounts> {
             std::thread::Builder::new()
                 .name(format!("dart-tokenize-{i}"))
                 .spawn_scoped(s, move || {
+                    let mut enc = ctx.tokenizer.map(LoadedTokenizer::encoder);
                     for batch in rx {
-                        let msg = match ctx.process(&batch) {
+                        let msg = match ctx.process(&batch, enc.as_mut()) {
                             Ok(b) => Msg::Batch(b),
                             Err(e) => Msg::Failed(e),
                         };

@@ -10,6 +10,7 @@
 //! [`dart_ngram::NGramError`].
 
 pub mod build;
+pub mod bytelevel;
 pub mod corpus;
 pub mod extsort;
 pub mod import;

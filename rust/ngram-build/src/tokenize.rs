@@ -7,12 +7,38 @@ use dart_ngram::error::{NGramError, Result};
 use dart_ngram::fingerprint;
 use tokenizers::Tokenizer;
 
+use crate::bytelevel::{ByteLevelEncoder, ByteLevelPlan};
+
 /// A loaded tokenizer and what the build needs to know about it.
 pub struct LoadedTokenizer {
     path: PathBuf,
     tokenizer: Tokenizer,
     vocab_size: u32,
     fingerprint: [u8; 32],
+    /// The fast path, for byte-level BPE tokenizers (see [`crate::bytelevel`]).
+    bytelevel: Option<ByteLevelPlan>,
+}
+
+/// One thread's encoder: [`LoadedTokenizer::encoder`].
+pub struct Encoder<'a> {
+    tok: &'a LoadedTokenizer,
+    fast: Option<ByteLevelEncoder<'a>>,
+}
+
+impl Encoder<'_> {
+    /// Appends the ids of `text`: exactly [`LoadedTokenizer::encode`]'s, faster for byte-level
+    /// BPE tokenizers (a per-encoder word cache; see [`crate::bytelevel`]).
+    pub fn encode_into(&mut self, text: &str, out: &mut Vec<u32>) -> Result<()> {
+        match &mut self.fast {
+            Some(f) => f
+                .encode_into(text, out)
+                .map_err(|e| self.tok.encode_error(e)),
+            None => {
+                out.extend_from_slice(&self.tok.encode(text)?);
+                Ok(())
+            }
+        }
+    }
 }
 
 impl LoadedTokenizer {
@@ -47,11 +73,13 @@ impl LoadedTokenizer {
                 path: file.clone(),
                 detail: e.to_string(),
             })?;
+        let bytelevel = ByteLevelPlan::from_tokenizer(&tokenizer);
         Ok(LoadedTokenizer {
             path: file,
             tokenizer,
             vocab_size: max_id + 1,
             fingerprint: fp,
+            bytelevel,
         })
     }
 
@@ -73,17 +101,38 @@ impl LoadedTokenizer {
     }
 
     /// Token ids of `text` with the special tokens the tokenizer adds itself
-    /// (`add_special_tokens = true`, as the reference counts).
+    /// (`add_special_tokens = true`, as the reference counts), by the `tokenizers` crate's own
+    /// pipeline. Bulk work should use an [`Encoder`] (same ids, faster).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         // encode_fast skips character offsets, which counting never needs.
         let enc = self
             .tokenizer
             .encode_fast(text, true)
-            .map_err(|e| NGramError::Tokenizer {
-                path: self.path.clone(),
-                detail: format!("encoding failed: {e}"),
-            })?;
+            .map_err(|e| self.encode_error(e))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    fn encode_error(&self, e: tokenizers::Error) -> NGramError {
+        NGramError::Tokenizer {
+            path: self.path.clone(),
+            detail: format!("encoding failed: {e}"),
+        }
+    }
+
+    /// An encoder for one thread (it keeps a cache of the words it has seen).
+    pub fn encoder(&self) -> Encoder<'_> {
+        Encoder {
+            tok: self,
+            fast: self
+                .bytelevel
+                .as_ref()
+                .map(|p| ByteLevelEncoder::new(p, &self.tokenizer)),
+        }
+    }
+
+    /// Whether [`Self::encoder`] takes the byte-level BPE fast path.
+    pub fn has_fast_path(&self) -> bool {
+        self.bytelevel.is_some()
     }
 
     /// The `eos_token` of the `tokenizer_config.json` beside `tokenizer.json`, if there is

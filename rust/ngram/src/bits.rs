@@ -140,12 +140,61 @@ impl<'a> Packed<'a> {
         base + u64::from(self.get(base) < target)
     }
 
+    /// Entries [`Self::find_eq16`] compares at once.
+    pub const SCAN16: u64 = 16;
+
+    /// For a 16-bit array: the position (relative to `lo`) of the first of the `len <= 16`
+    /// values from `lo` that equals `target`, as a bit mask over those values (0 = none);
+    /// `None` when the 16 values from `lo` run past the array (the caller searches another
+    /// way). One 32-byte load and a vector compare, no branch per value.
+    #[inline(always)]
+    pub fn eq_mask16(&self, lo: u64, len: u64, target: u16) -> Option<u32> {
+        debug_assert!(self.width == 16 && len <= Self::SCAN16);
+        let at = usize::try_from(lo).ok()?.checked_mul(2)?;
+        let chunk: &[u8; 32] = self.bytes.get(at..at.checked_add(32)?)?.try_into().ok()?;
+        let m = eq16(chunk, target);
+        Some(m & ((1u32 << len) - 1))
+    }
+
     /// Index of `target` in the sorted range `lo..hi`, if present.
     #[inline]
     pub fn find(&self, lo: u64, hi: u64, target: u64) -> Option<u64> {
         let i = self.lower_bound(lo, hi, target);
         (i < hi && self.get(i) == target).then_some(i)
     }
+}
+
+/// Bit `k` set iff little-endian `u16` number `k` of `chunk` is `target`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn eq16(chunk: &[u8; 32], target: u16) -> u32 {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi16, _mm_movemask_epi8, _mm_packs_epi16, _mm_set1_epi16, _mm_set_epi64x,
+    };
+    let w = |i: usize| i64::from_le_bytes(chunk[i..i + 8].try_into().expect("8 bytes"));
+    // SSE2 is part of x86_64: two compares of 8 lanes, packed to bytes (0xFFFF saturates to
+    // 0xFF, 0 stays 0), then one bit per byte.
+    let (w0, w1, w2, w3) = (w(0), w(8), w(16), w(24));
+    // SAFETY: these intrinsics only need SSE2, which every x86_64 CPU has (it is enabled in
+    // the target's baseline); they take no pointers.
+    unsafe {
+        let t = _mm_set1_epi16(target as i16);
+        let a = _mm_cmpeq_epi16(_mm_set_epi64x(w1, w0), t);
+        let b = _mm_cmpeq_epi16(_mm_set_epi64x(w3, w2), t);
+        _mm_movemask_epi8(_mm_packs_epi16(a, b)) as u32
+    }
+}
+
+/// Bit `k` set iff little-endian `u16` number `k` of `chunk` is `target`.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn eq16(chunk: &[u8; 32], target: u16) -> u32 {
+    let mut m = 0u32;
+    for k in 0..16 {
+        let v = u16::from_le_bytes([chunk[2 * k], chunk[2 * k + 1]]);
+        m |= u32::from(v == target) << k;
+    }
+    m
 }
 
 #[inline]

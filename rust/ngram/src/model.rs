@@ -4,9 +4,10 @@
 //! touched). Queries walk the CSR levels: a context is located once per suffix length, then
 //! each candidate is looked up among that context's children (sorted by token id): a jump
 //! through the context's child buckets (version 2) to a few entries, then a binary search of
-//! those; `prob_many` runs all its candidates' searches in lockstep. Every offset read from the file is checked before use, so a corrupt file yields
-//! [`NGramError::Corrupt`], never a panic; [`NGramModel::verify`] checks the section checksums
-//! and every structural invariant with a full scan.
+//! those (one vector compare for 16-bit token columns); `prob_many` runs its candidates'
+//! binary searches in lockstep. Every offset read from the file is checked before use, so a
+//! corrupt file yields [`NGramError::Corrupt`], never a panic; [`NGramModel::verify`] checks
+//! the section checksums and every structural invariant with a full scan.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -65,28 +66,21 @@ struct Level {
 /// One candidate of `prob_many` being searched among a context's children.
 #[derive(Clone, Copy, Default)]
 struct Probe {
-    /// Candidate range: the child sought is at `lo` if anywhere (once `len` is 1).
-    lo: u64,
-    len: u64,
-    token: u64,
+    /// Candidate range, relative to the context's first child: the child sought is at `lo`
+    /// if anywhere (once `len` is 1). A context has at most `vocab_size < 2^32` children.
+    lo: u32,
+    len: u32,
+    token: u32,
     key: u32,
-    /// Index in the candidates.
-    slot: u32,
-    /// Halvings left to the search (set per context).
-    rounds: u32,
-}
-
-/// Halvings a branchless binary search over `len` entries needs to narrow them to one.
-#[inline]
-fn rounds(len: u64) -> usize {
-    (64 - len.saturating_sub(1).leading_zeros()) as usize
+    /// Index in the block of candidates.
+    slot: u16,
 }
 
 /// Children up to which a single lookup skips the child buckets.
 const SMALL_CONTEXT: u64 = 64;
 
 /// Size of the candidate blocks of `prob_many` (their search state lives on the stack).
-const BLOCK: usize = 32;
+const BLOCK: usize = 64;
 
 /// A located context: the range of its children in the next order and its count.
 #[derive(Clone, Copy, Debug)]
@@ -694,13 +688,14 @@ impl NGramModel {
         let early = &early_buf[..ctx.len().min(early_buf.len())];
         // Candidates still unmatched, and the same ordered by the rounds their search needs.
         let mut pend = [Probe::default(); BLOCK];
-        let mut sorted = [Probe::default(); BLOCK];
+        // The searches that take the binary-search path, by index in `pend`.
+        let mut order_slow = [0u8; BLOCK];
         for (b, cands) in candidates.chunks(BLOCK).enumerate() {
             for (i, (p, &c)) in pend.iter_mut().zip(cands).enumerate() {
                 *p = Probe {
-                    token: u64::from(c),
+                    token: c,
                     key: self.token_key(u64::from(c)),
-                    slot: (b * BLOCK + i) as u32,
+                    slot: i as u16,
                     ..Probe::default()
                 };
             }
@@ -721,44 +716,47 @@ impl NGramModel {
                     continue;
                 }
                 let ch = self.children(c.order, c.lo, c.hi);
-                // Each search needs `rounds(len)` halvings. Ordered by that count, longest
-                // first, the searches still running in round t are a prefix of the array:
-                // they advance in lockstep, one halving per round, so their memory loads
-                // overlap, with no wasted step and no per-candidate branch.
-                let mut by_rounds = [0u32; 65];
-                for p in &mut pend[..np] {
+                // 16-bit tokens (vocabularies of 32769..=65536 ids): a bucket of up to 16
+                // children is one vector compare. Other searches are binary searches that all
+                // run the same number of halvings, the most any needs (halving a range of one
+                // entry changes nothing): they advance in lockstep, their memory loads
+                // overlap, and no step branches.
+                let tok16 = ch.toks.width() == 16;
+                let mut width = 0u32;
+                let mut slow = 0;
+                for (i, p) in pend[..np].iter_mut().enumerate() {
                     let (a, z) = ch.range(p.key)?;
+                    let len = z - a;
+                    if tok16 && len <= Packed::SCAN16 {
+                        if let Some(m) = ch.toks.eq_mask16(a, len, p.token as u16) {
+                            // Found (the child at `lo`, `len` 1) or not (`len` 0).
+                            p.lo = (a - ch.lo) as u32 + m.trailing_zeros().min(15);
+                            p.len = u32::from(m != 0);
+                            continue;
+                        }
+                    }
                     // An empty bucket searches at the context's first child instead (always
                     // a valid index; `len` 0 keeps it from matching).
-                    p.lo = if z > a { a } else { ch.lo };
-                    p.len = z - a;
-                    p.rounds = rounds(p.len) as u32;
-                    by_rounds[p.rounds as usize] += 1;
+                    p.lo = if z > a { (a - ch.lo) as u32 } else { 0 };
+                    p.len = len as u32;
+                    width |= p.len.saturating_sub(1);
+                    order_slow[slow] = i as u8;
+                    slow += 1;
                 }
-                let mut start = [0u32; 65];
-                let mut acc = 0;
-                for (s, &n) in start.iter_mut().zip(&by_rounds).rev() {
-                    *s = acc;
-                    acc += n;
-                }
-                for p in &pend[..np] {
-                    let q = &mut start[p.rounds as usize];
-                    sorted[*q as usize] = *p;
-                    *q += 1;
-                }
-                let mut active = np - by_rounds[0] as usize;
-                let mut r = 0;
-                while active > 0 {
-                    for p in &mut sorted[..active] {
+                for _ in 0..(32 - width.leading_zeros()) {
+                    for &i in &order_slow[..slow] {
+                        let p = &mut pend[usize::from(i)];
                         let half = p.len / 2;
-                        let v = ch.toks.get_narrow(p.lo + half);
+                        let v = ch.toks.get_narrow(ch.lo + u64::from(p.lo + half));
                         // Keeps the last child <= token in range: it is the token exactly
                         // when the token is a child. A conditional move: a coin flip.
-                        p.lo = std::hint::select_unpredictable(v <= p.token, p.lo + half, p.lo);
+                        p.lo = std::hint::select_unpredictable(
+                            v <= u64::from(p.token),
+                            p.lo + half,
+                            p.lo,
+                        );
                         p.len -= half;
                     }
-                    r += 1;
-                    active -= by_rounds[r] as usize;
                 }
                 // The children's count ranks and count table, looked up once.
                 let lv = &self.levels[c.order];
@@ -766,20 +764,22 @@ impl NGramModel {
                 let (off, n_values) = lv.values;
                 let table = &self.map[off..off + 8 * n_values as usize];
                 let mut keep = 0;
-                for p in &sorted[..np] {
-                    if p.len > 0 && ch.toks.get_narrow(p.lo) == p.token {
-                        let r = ranks.get(p.lo);
+                for i in 0..np {
+                    let p = pend[i];
+                    let j = ch.lo + u64::from(p.lo);
+                    if p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token) {
+                        let r = ranks.get(j);
                         let at = (r as usize).wrapping_mul(8);
                         let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values)
                         else {
-                            return Err(self.bad_rank(c.order + 1, p.lo, r, n_values));
+                            return Err(self.bad_rank(c.order + 1, j, r, n_values));
                         };
                         let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
-                        let i = p.slot as usize;
+                        let i = b * BLOCK + usize::from(p.slot);
                         probs[i] = self.ratio(child, &c)? as f32;
                         matched[i] = c.order as u8;
                     } else {
-                        pend[keep] = *p;
+                        pend[keep] = p;
                         keep += 1;
                     }
                 }
@@ -1330,6 +1330,42 @@ mod tests {
             let mut ctxs: Vec<Vec<u32>> = c.grams.keys().filter(|g| g.len() == 2).take(40).cloned().collect();
             ctxs.push(vec![3]);
             ctxs.push(vec![148, 3]);
+            for ctx in &ctxs {
+                m.prob_many(ctx, &cands, &mut p, &mut k).unwrap();
+                for (i, &x) in cands.iter().enumerate() {
+                    let (want, len) = c.prob(ctx, x);
+                    prop_assert_eq!((p[i], k[i]), (want as f32, len), "P({} | {:?})", x, ctx);
+                }
+            }
+        }
+
+        /// 16-bit token columns (a vocabulary of 32769..=65536 ids, as SmolLM2's 49152) take
+        /// `prob_many`'s vector-compare path for small buckets; the last 16 children of a
+        /// column, and larger buckets, take the binary search.
+        #[test]
+        fn sixteen_bit_tokens_match_brute_force(
+            docs in prop::collection::vec(prop::collection::vec((0u32..12, 0u32..140), 0..300), 1..6),
+            stride in prop::sample::select(vec![0u32, 1, 2, 5, 8]),
+            vocab in prop::sample::select(vec![32769u32, 49152, 65536]),
+        ) {
+            // Mostly a few ids spread over the whole range (high bits set), now and then any.
+            let id = |b: u32| b.wrapping_mul(2_654_435_761) % (vocab - 1);
+            let docs: Vec<Vec<u32>> = docs
+                .iter()
+                .map(|d| d.iter().map(|&(a, b)| if a < 9 { id(b % 20) } else { id(b) }).collect())
+                .collect();
+            let c = count_corpus(&docs, 3, vocab, Some(vocab - 1), 1);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.ngram");
+            c.write_with_stride(&path, 4, stride).unwrap();
+            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            prop_assert_eq!(m.header.token_bits, 16);
+            let mut cands: Vec<u32> = (0..140).map(id).collect();
+            cands.extend([0, 1, vocab - 2, vocab - 1, 40000 % vocab]);
+            let (mut p, mut k) = (vec![0f32; cands.len()], vec![0u8; cands.len()]);
+            let mut ctxs: Vec<Vec<u32>> = c.grams.keys().filter(|g| g.len() == 2).take(40).cloned().collect();
+            ctxs.push(vec![id(3)]);
+            ctxs.push(vec![vocab - 1, id(3)]);
             for ctx in &ctxs {
                 m.prob_many(ctx, &cands, &mut p, &mut k).unwrap();
                 for (i, &x) in cands.iter().enumerate() {
