@@ -9,6 +9,11 @@ the same :class:`dart_client.pruner.DraftTree`. Code picks local or remote by co
     pruner = ngram.pruner(PrunerConfig())
     tree = pruner.prune(context, topk_ids, topk_probs)
 
+The transport is native (``dart_client._native.DaemonClient``, Rust and tonic): messages are
+built from numpy arrays and the call runs with the GIL released, so a prune over loopback costs
+little more than the prune (grpcio's Python call alone costs about as much as a prune). This
+module validates inputs, classifies failures, retries and raises its exception family.
+
 Every call has a deadline (``timeout``); calls that fail with a transient status (UNAVAILABLE:
 the daemon restarts or drains; RESOURCE_EXHAUSTED because it is saturated) are retried a
 bounded number of times with exponential backoff and jitter. Errors keep the in-process
@@ -27,15 +32,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
+from dart_client import _native
 from dart_client._native import (
+    DaemonStatusError,
     NGramError,
     PrunerError,
     TokenizerMismatchError,
     TokenOutOfVocabError,
 )
 from dart_client.errors import DartError
-from dart_client.proto import ngram_pb2 as pb
-from dart_client.proto import ngram_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from dart_client.pruner import DraftTree, PrunerConfig
@@ -54,7 +59,10 @@ __all__ = [
 ]
 
 SERVICE_NAME = "dart.ngram.v1.NGramService"
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
+_SERVING = 1
+# The native client reports status codes as the protocol's numbers.
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 T = TypeVar("T")
 
 
@@ -141,28 +149,6 @@ def _fingerprint_hex(value: str | bytes) -> str:
     return text
 
 
-def _ids(values: Any, what: str) -> np.ndarray:
-    """A 1-D array of token ids as uint32, refusing negative or fractional values."""
-    arr = np.asarray(_cpu(values))
-    if arr.ndim != 1:
-        raise RemoteInvalidArgumentError(
-            f"{what} has shape {arr.shape}; expected a 1-D sequence of token ids"
-        )
-    if arr.size and arr.dtype.kind not in "iu":
-        raise RemoteInvalidArgumentError(f"{what} has dtype {arr.dtype}; expected integer ids")
-    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
-        raise RemoteInvalidArgumentError(
-            f"{what} holds the negative id {int(arr.min())}; expected ids >= 0"
-        )
-    if arr.size and int(arr.max()) > 0xFFFFFFFF:
-        # The daemon reports the vocabulary bound; only values that do not fit the wire
-        # format are caught here.
-        raise RemoteInvalidArgumentError(
-            f"{what} holds the id {int(arr.max())}, beyond 2**32 - 1; expected vocabulary ids"
-        )
-    return arr.astype(np.uint32, copy=False)
-
-
 def _cpu(values: Any) -> Any:
     """Torch tensors (on any device) to numpy; anything else unchanged."""
     if hasattr(values, "detach") and hasattr(values, "cpu"):
@@ -170,29 +156,54 @@ def _cpu(values: Any) -> Any:
     return values
 
 
-def _rows(rows: Any, what: str) -> pb.TokenRows:
-    """Token rows (a 2-D array or a list of 1-D sequences) as the wire's ragged form."""
+def _ids(values: Any, what: str, ndim: int = 1) -> np.ndarray:
+    """Token ids as a C-contiguous int64 array of ``ndim`` dimensions (no copy when they
+    already are one). The native client checks that each fits the wire (0 <= id < 2**32) and
+    names the one that does not; the daemon checks the vocabulary."""
+    arr = np.asarray(_cpu(values))
+    if arr.ndim != ndim:
+        raise RemoteInvalidArgumentError(
+            f"{what} has shape {arr.shape}; expected {ndim}-D token ids"
+        )
+    if arr.dtype.kind not in "iu":
+        if arr.size:
+            raise RemoteInvalidArgumentError(f"{what} has dtype {arr.dtype}; expected integer ids")
+        arr = arr.astype(np.int64)  # np.asarray([]) is float64
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > 0xFFFFFFFF:
+        raise RemoteInvalidArgumentError(
+            f"{what} holds the id {int(arr.max())}, beyond 2**32 - 1; expected vocabulary ids"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _probs(values: Any, what: str, ndim: int) -> np.ndarray:
+    """Probabilities as a C-contiguous float32 array (no copy when they already are one)."""
+    arr = np.asarray(_cpu(values))
+    if arr.ndim != ndim or (arr.size and arr.dtype.kind != "f"):
+        raise RemoteInvalidArgumentError(
+            f"{what} has shape {arr.shape} and dtype {arr.dtype}; expected {ndim}-D "
+            "floating-point probabilities"
+        )
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _rows(rows: Any, what: str) -> tuple[np.ndarray, list[int]]:
+    """Token rows (a 2-D array or a list of 1-D sequences) as the wire's ragged form: the
+    flat ids and the length of each row."""
     rows = _cpu(rows)
     if isinstance(rows, np.ndarray):
-        if rows.ndim != 2:
-            raise RemoteInvalidArgumentError(
-                f"{what} has shape {rows.shape}; expected 2-D (rows, tokens)"
-            )
-        flat = _ids(rows.reshape(-1), what)
-        return pb.TokenRows(tokens=flat.tolist(), lengths=[rows.shape[1]] * rows.shape[0])
-    out = pb.TokenRows()
-    for i, row in enumerate(rows):
-        ids = _ids(row, f"{what}[{i}]")
-        out.tokens.extend(ids.tolist())
-        out.lengths.append(len(ids))
-    return out
+        flat = _ids(rows, what, ndim=2)
+        return flat.reshape(-1), [flat.shape[1]] * flat.shape[0]
+    parts = [_ids(row, f"{what}[{i}]") for i, row in enumerate(rows)]
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return flat, [len(p) for p in parts]
 
 
 class RemoteNGram:
     """An n-gram model served by a daemon; the same interface as ``NGram``.
 
     Use :func:`connect` to make one. Thread-safe: one instance (one HTTP/2 connection) can
-    serve many threads at once.
+    serve many threads at once. Not to be shared across ``fork``: connect in each process.
     """
 
     def __init__(
@@ -202,60 +213,43 @@ class RemoteNGram:
         timeout: float = 5.0,
         retry: RetryPolicy | None = None,
         expected_fingerprint: str | bytes | None = None,
-        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout = {timeout!r}; expected a number of seconds > 0")
         self.url = url
         self.timeout = float(timeout)
         self.retry = retry or RetryPolicy()
         target, secure = _parse_url(url)
-        opts = [
-            ("grpc.max_receive_message_length", -1),
-            ("grpc.max_send_message_length", -1),
-            # This client retries by itself (bounded, classified); no hidden second layer.
-            ("grpc.enable_retries", 0),
-            *options,
-        ]
-        if secure:
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(), opts)
-        else:
-            self._channel = grpc.insecure_channel(target, opts)
-        self._stub = pb_grpc.NGramServiceStub(self._channel)
-        self._health = self._channel.unary_unary(
-            _HEALTH_CHECK,
-            request_serializer=_encode_health_request,
-            response_deserializer=_decode_health_response,
-        )
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
+            self._client = _native.DaemonClient(target, tls=secure, timeout=self.timeout)
+        except DaemonStatusError as err:
             raise DaemonUnavailableError(
-                f"no n-gram daemon answers at {url} within {self.timeout:g} s: is "
-                "`dart-ngram serve` running there?",
+                f"no n-gram daemon answers at {url} within {self.timeout:g} s ({err.args[1]}): "
+                "is `dart-ngram serve` running there?",
                 grpc.StatusCode.UNAVAILABLE,
             ) from None
-        info = self._call("Info", self._stub.Info, pb.InfoRequest())
-        self._order = int(info.order)
-        self._vocab_size = int(info.vocab_size)
-        self._fingerprint = bytes(info.tokenizer_fingerprint).hex()
-        self._eos_id = int(info.eos_id) if info.HasField("eos_id") else None
-        self._info: dict[str, Any] = json.loads(info.info_json) if info.info_json else {}
-        self.server_version = info.server_version
+        info = self._call("Info", self._client.info)
+        order, vocab_size, fingerprint, eos_id, _total, info_json, version = info
+        self._order = int(order)
+        self._vocab_size = int(vocab_size)
+        self._fingerprint = bytes(fingerprint).hex()
+        self._eos_id = None if eos_id is None else int(eos_id)
+        self._info: dict[str, Any] = json.loads(info_json) if info_json else {}
+        self.server_version = version
         if expected_fingerprint is not None:
             self.check_fingerprint(expected_fingerprint)
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _call(self, name: str, method: Callable[..., T], request: Any) -> T:
+    def _call(self, name: str, method: Callable[..., T], *args: Any) -> T:
+        """``method(*args, timeout)`` with bounded retries of transient failures."""
         policy = self.retry
         for attempt in range(policy.attempts):
             try:
-                return method(request, timeout=self.timeout)
-            except grpc.RpcError as err:
-                code = err.code()
-                details = err.details() or ""
+                return method(*args, self.timeout)
+            except DaemonStatusError as err:
+                code = _STATUS.get(err.args[0], grpc.StatusCode.UNKNOWN)
+                details = str(err.args[1])
                 transient = code == grpc.StatusCode.UNAVAILABLE or (
                     code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in details
                 )
@@ -290,7 +284,7 @@ class RemoteNGram:
 
     def close(self) -> None:
         """Closes the connection; further calls fail."""
-        self._channel.close()
+        self._client.close()
 
     def __enter__(self) -> RemoteNGram:
         return self
@@ -347,70 +341,55 @@ class RemoteNGram:
     def health(self) -> bool:
         """Whether the daemon reports itself SERVING (standard gRPC health check)."""
         try:
-            return self._health(SERVICE_NAME.encode(), timeout=self.timeout) == 1
-        except grpc.RpcError:
+            return self._client.health(SERVICE_NAME, self.timeout) == _SERVING
+        except DaemonStatusError:
             return False
 
     def prob(self, context: Any, candidates: Any) -> tuple[np.ndarray, np.ndarray]:
         """``P(c | context)`` for each candidate: ``(probs float32, matched uint8)``."""
         ctx = _ids(context, "context")
         cands = _ids(candidates, "candidates")
-        req = pb.ProbRequest(
-            contexts=pb.TokenRows(tokens=ctx.tolist(), lengths=[len(ctx)]),
-            candidates=pb.TokenRows(tokens=cands.tolist(), lengths=[len(cands)]),
-        )
-        resp = self._call("Prob", self._stub.Prob, req)
-        return (
-            np.asarray(resp.probs, dtype=np.float32),
-            np.frombuffer(resp.matched, dtype=np.uint8).copy(),
-        )
+        return self._call("Prob", self._client.prob, ctx, [len(ctx)], cands, [len(cands)])
 
     def prob_batch(self, contexts: Any, candidates: Any) -> tuple[np.ndarray, np.ndarray]:
         """One context per row, one candidate row per context: ``(probs, matched)`` of the
         candidates' shape (2-D arrays in, 2-D arrays out)."""
-        cands = np.asarray(_cpu(candidates))
-        ctx_rows = _rows(contexts, "contexts")
-        cand_rows = _rows(cands, "candidates")
-        req = pb.ProbRequest(contexts=ctx_rows, candidates=cand_rows)
-        resp = self._call("Prob", self._stub.Prob, req)
-        probs = np.asarray(resp.probs, dtype=np.float32)
-        matched = np.frombuffer(resp.matched, dtype=np.uint8).copy()
+        cands = _ids(candidates, "candidates", ndim=2)
+        ctx, ctx_lengths = _rows(contexts, "contexts")
+        probs, matched = self._call(
+            "Prob",
+            self._client.prob,
+            ctx,
+            ctx_lengths,
+            cands.reshape(-1),
+            [cands.shape[1]] * cands.shape[0],
+        )
         return probs.reshape(cands.shape), matched.reshape(cands.shape)
 
     def count(self, tokens: Any) -> int:
         """How often the token sequence was seen (an empty one: all tokens)."""
         ids = _ids(tokens, "tokens")
-        req = pb.CountRequest(sequences=pb.TokenRows(tokens=ids.tolist(), lengths=[len(ids)]))
-        return int(self._call("Count", self._stub.Count, req).counts[0])
+        return int(self._call("Count", self._client.count, ids, [len(ids)])[0])
 
     def top_k(self, context: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` most probable next tokens: ``(ids, probs float32)``, by probability
         descending then id ascending (fewer when fewer continuations were seen)."""
         ctx = _ids(context, "context")
-        req = pb.TopKRequest(
-            contexts=pb.TokenRows(tokens=ctx.tolist(), lengths=[len(ctx)]), k=_k(k)
-        )
-        resp = self._call("TopK", self._stub.TopK, req)
-        return (
-            np.asarray(resp.ids, dtype=np.int64),
-            np.asarray(resp.probs, dtype=np.float32),
-        )
+        ids, probs, _ = self._call("TopK", self._client.top_k, ctx, [len(ctx)], _k(k))
+        return ids, probs
 
     def top_k_batch(self, contexts: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`top_k` per row: ``(ids (B, k) int64, probs (B, k) float32)``, rows with
         fewer continuations padded with id -1 and probability 0."""
-        req = pb.TopKRequest(contexts=_rows(contexts, "contexts"), k=_k(k))
-        resp = self._call("TopK", self._stub.TopK, req)
-        n = len(resp.lengths)
+        ctx, lengths = _rows(contexts, "contexts")
+        flat_ids, flat_probs, got = self._call("TopK", self._client.top_k, ctx, lengths, _k(k))
+        n = len(got)
         ids = np.full((n, k), -1, dtype=np.int64)
         probs = np.zeros((n, k), dtype=np.float32)
-        flat_ids = np.asarray(resp.ids, dtype=np.int64)
-        flat_probs = np.asarray(resp.probs, dtype=np.float32)
-        at = 0
-        for i, length in enumerate(resp.lengths):
-            ids[i, :length] = flat_ids[at : at + length]
-            probs[i, :length] = flat_probs[at : at + length]
-            at += length
+        # Row i's entries fill its first got[i] columns.
+        filled = np.arange(k) < got[:, None]
+        ids[filled] = flat_ids
+        probs[filled] = flat_probs
         return ids, probs
 
     def pruner(self, config: PrunerConfig | None = None) -> RemotePruner:
@@ -419,64 +398,34 @@ class RemoteNGram:
 
 
 def _k(k: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < 2**32:
         raise RemoteInvalidArgumentError(f"k = {k!r}; expected an integer >= 0")
     return int(k)
 
 
-def _encode_health_request(service: bytes) -> bytes:
-    # grpc.health.v1.HealthCheckRequest { string service = 1; } by hand: one short field
-    # (names are far below 128 bytes, so the length is one varint byte).
-    if len(service) >= 128:
-        raise ValueError("health service name too long")
-    return b"\x0a" + bytes([len(service)]) + service if service else b""
+def _budget(budget: Any, what: str) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise RemoteInvalidArgumentError(f"{what} = {budget!r}; expected an integer >= 1")
+    if budget >= 2**32:
+        raise RemoteInvalidArgumentError(f"{what} = {budget!r}; expected at most 2**32 - 1")
+    return int(budget)
 
 
-def _decode_health_response(data: bytes) -> int:
-    # HealthCheckResponse { ServingStatus status = 1; }: absent field = 0 (UNKNOWN).
-    if len(data) >= 2 and data[0] == 0x08:
-        return data[1]
-    return 0
-
-
-def _config_proto(config: PrunerConfig) -> pb.PrunerConfig:
-    out = pb.PrunerConfig()
-    for f in fields(config):  # type: ignore[arg-type]
-        value = getattr(config, f.name)
-        if value is None:
-            continue  # absent = the daemon's default (for eos_id: the model's EOS)
-        if not hasattr(out, f.name):
-            raise ValueError(
-                f"PrunerConfig.{f.name} is not part of the daemon's protocol; update "
-                "proto/dart/ngram/v1/ngram.proto"
-            )
-        setattr(out, f.name, value)
-    return out
-
-
-def _draft(context: Any, topk_ids: Any, topk_probs: Any, budget: int | None, tail: int) -> pb.Draft:
-    ctx = _ids(context, "context")
-    # The pruner reads only the n-gram history and the root: send no more.
-    ctx = ctx[-tail:]
-    ids = np.asarray(_cpu(topk_ids))
-    probs = np.asarray(_cpu(topk_probs))
-    if ids.ndim != 2 or probs.shape != ids.shape:
-        raise RemoteInvalidArgumentError(
-            f"topk_ids has shape {ids.shape} and topk_probs {probs.shape}; expected the same "
-            "2-D shape (levels, k)"
-        )
-    draft = pb.Draft(
-        context=ctx.tolist(),
-        topk_ids=_ids(ids.reshape(-1), "topk_ids").tolist(),
-        topk_probs=probs.astype(np.float32, copy=False).reshape(-1).tolist(),
-        levels=ids.shape[0],
-        k=ids.shape[1],
-    )
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-            raise RemoteInvalidArgumentError(f"budget = {budget!r}; expected an integer >= 1")
-        draft.budget = int(budget)
-    return draft
+def _wire_config(config: PrunerConfig) -> _native.DaemonPrunerConfig:
+    """The configuration as the daemon's overrides (``None`` fields: the daemon's default; for
+    ``eos_id``, the model's EOS)."""
+    values = {f.name: getattr(config, f.name) for f in fields(config)}  # type: ignore[arg-type]
+    try:
+        return _native.DaemonPrunerConfig(**values)
+    except TypeError as err:
+        raise ValueError(
+            f"{config!r} does not fit the daemon's protocol ({err}); every PrunerConfig field "
+            "needs its field in proto/dart/ngram/v1/ngram.proto and in the native client"
+        ) from None
+    except OverflowError as err:
+        raise RemoteInvalidArgumentError(f"{config!r}: {err}") from None
 
 
 class RemotePruner:
@@ -487,21 +436,36 @@ class RemotePruner:
 
         self.ngram = ngram
         self.config = config if config is not None else PrunerConfig()
-        self._config_pb = _config_proto(self.config)
+        self._wire = _wire_config(self.config)
+        # The pruner reads only the n-gram history and the root: send no more.
         self._tail = max(ngram.order - 1, 1)
 
     def __repr__(self) -> str:
         return f"RemotePruner(url={self.ngram.url!r}, config={self.config!r})"
 
+    def _context(self, context: Any, what: str) -> np.ndarray:
+        c = _cpu(context)
+        if not isinstance(c, (list, tuple, np.ndarray)):
+            c = list(c)
+        return _ids(c[-self._tail :], what)
+
     def prune(
         self, context: Any, topk_ids: Any, topk_probs: Any, budget: int | None = None
     ) -> DraftTree:
         """One draft tree (see ``Pruner.prune``)."""
-        req = pb.PruneRequest(
-            draft=_draft(context, topk_ids, topk_probs, budget, self._tail), config=self._config_pb
+        from dart_client.pruner import DraftTree
+
+        ngram = self.ngram
+        out = ngram._call(
+            "Prune",
+            ngram._client.prune,
+            self._wire,
+            self._context(context, "context"),
+            _ids(topk_ids, "topk_ids", ndim=2),
+            _probs(topk_probs, "topk_probs", ndim=2),
+            _budget(budget, "budget"),
         )
-        resp = self.ngram._call("Prune", self.ngram._stub.Prune, req)
-        return _tree(resp.tree)
+        return DraftTree(*out)
 
     def prune_batch(
         self,
@@ -512,17 +476,19 @@ class RemotePruner:
     ) -> list[DraftTree]:
         """Many trees in one call (see ``Pruner.prune_batch``): ``topk_ids``/``topk_probs``
         are (B, L, k), ``contexts`` B sequences, ``budgets`` B values or None."""
-        ids = np.asarray(_cpu(topk_ids))
-        probs = np.asarray(_cpu(topk_probs))
-        if ids.ndim != 3 or probs.shape != ids.shape:
+        from dart_client.pruner import DraftTree
+
+        ids = _ids(topk_ids, "topk_ids", ndim=3)
+        probs = _probs(topk_probs, "topk_probs", ndim=3)
+        if probs.shape != ids.shape:
             raise RemoteInvalidArgumentError(
                 f"topk_ids has shape {ids.shape} and topk_probs {probs.shape}; expected the "
                 "same 3-D shape (batch, levels, k)"
             )
-        contexts = list(_cpu(contexts))
-        if len(contexts) != ids.shape[0]:
+        ctxs = [self._context(c, f"contexts[{i}]") for i, c in enumerate(_cpu(contexts))]
+        if len(ctxs) != ids.shape[0]:
             raise RemoteInvalidArgumentError(
-                f"{len(contexts)} contexts for a batch of {ids.shape[0]} drafts; expected one "
+                f"{len(ctxs)} contexts for a batch of {ids.shape[0]} drafts; expected one "
                 "context per draft"
             )
         if budgets is not None and len(budgets) != ids.shape[0]:
@@ -530,31 +496,16 @@ class RemotePruner:
                 f"{len(budgets)} budgets for a batch of {ids.shape[0]} drafts; expected one "
                 "per draft (or budgets=None)"
             )
-        req = pb.PruneBatchRequest(config=self._config_pb)
-        for i in range(ids.shape[0]):
-            budget = None if budgets is None else budgets[i]
-            req.drafts.append(_draft(contexts[i], ids[i], probs[i], budget, self._tail))
-        resp = self.ngram._call("PruneBatch", self.ngram._stub.PruneBatch, req)
-        return [_tree(t) for t in resp.trees]
-
-
-def _tree(t: pb.DraftTree) -> DraftTree:
-    """The wire tree as the in-process ``DraftTree`` (same dtypes and shapes)."""
-    from dart_client.pruner import DraftTree
-
-    n = len(t.tokens)
-    return DraftTree(
-        tokens=np.asarray(t.tokens, dtype=np.int64),
-        parents=np.asarray(t.parents, dtype=np.int64),
-        depths=np.asarray(t.depths, dtype=np.int64),
-        attention_mask=np.frombuffer(t.attention_mask, dtype=np.uint8)
-        .astype(np.bool_)
-        .reshape(n, n),
-        retrieve_indices=np.asarray(t.retrieve_indices, dtype=np.int64).reshape(
-            t.retrieve_rows, t.retrieve_cols
-        ),
-        scores=np.asarray(t.scores, dtype=np.float64),
-    )
+        wire_budgets = (
+            None
+            if budgets is None
+            else [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
+        )
+        ngram = self.ngram
+        out = ngram._call(
+            "PruneBatch", ngram._client.prune_batch, self._wire, ctxs, ids, probs, wire_budgets
+        )
+        return [DraftTree(*t) for t in out]
 
 
 def connect(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from dart_client.ngram import NGram, TokenizerMismatchError, TokenOutOfVocabError, connect
 from dart_client.remote import (
+    DaemonError,
     DaemonOverloadedError,
     DaemonUnavailableError,
     RemoteInvalidArgumentError,
@@ -260,6 +262,38 @@ def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: N
     assert not errors, errors
 
 
+def test_one_client_shared_by_threads_gets_correct_answers(
+    remote: RemoteNGram, local: NGram
+) -> None:
+    from dart_client.pruner import Pruner, PrunerConfig
+
+    rng = np.random.default_rng(6)
+    drafts = [random_draft(local, rng) for _ in range(24)]
+    local_pruner = Pruner(local, PrunerConfig())
+    expected = [local_pruner.prune(*d) for d in drafts]
+    pruner = remote.pruner(PrunerConfig())
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        try:
+            for i in np.random.default_rng(seed).permutation(len(drafts)):
+                assert_same_tree(pruner.prune(*drafts[i]), expected[i])
+                ctx = drafts[i][0]
+                got = remote.top_k(ctx, 5)
+                want = local.top_k(ctx, 5)
+                np.testing.assert_array_equal(got[0], want[0])
+        except BaseException as err:  # collected and re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not errors, errors
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -317,6 +351,52 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
     metrics = daemon.metrics()
     assert 'code="INVALID_ARGUMENT"' in metrics
     assert "dart_ngram_request_duration_seconds_bucket" in metrics
+
+
+def test_ids_that_do_not_fit_the_wire_are_refused_before_sending(
+    remote: RemoteNGram, local: NGram
+) -> None:
+    from dart_client.pruner import PrunerConfig
+
+    with pytest.raises(RemoteInvalidArgumentError, match=r"candidates\[0\]\[1\] = -3"):
+        remote.prob([1, 2], [4, -3])
+    with pytest.raises(RemoteInvalidArgumentError, match="dtype float"):
+        remote.prob([1, 2], [0.5])
+    rng = np.random.default_rng(7)
+    ctx, ids, probs = random_draft(local, rng, 3, 4)
+    bad = ids.copy()
+    bad[2, 1] = 2**33
+    with pytest.raises(RemoteInvalidArgumentError, match=r"topk_ids\[2\]\[1\] = 8589934592"):
+        remote.pruner(PrunerConfig()).prune(ctx, bad, probs)
+    # Empty inputs are fine, whatever numpy made of them.
+    assert remote.prob([], [])[0].shape == (0,)
+
+
+def test_a_call_past_its_deadline_fails_and_the_daemon_keeps_serving(
+    daemon: Daemon, local: NGram
+) -> None:
+    rng = np.random.default_rng(8)
+    n = 3000
+    ids = rng.integers(0, local.vocab_size - 25, size=(n, 8, 1)) + np.arange(25)
+    probs = np.full(ids.shape, 0.04, dtype=np.float32)
+    with connect(daemon.url, timeout=30) as r:
+        r.timeout = 0.001
+        with pytest.raises(DaemonUnavailableError, match="no answer within") as exc:
+            r.pruner().prune_batch([[1, 2]] * n, ids, probs)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        r.timeout = 30
+        np.testing.assert_array_equal(r.prob([1, 2], [3, 4])[0], local.prob([1, 2], [3, 4])[0])
+
+
+def test_a_closed_client_refuses_calls(daemon: Daemon) -> None:
+    r = connect(daemon.url, timeout=30)
+    assert r.health()
+    r.close()
+    with pytest.raises(DaemonError, match="closed") as exc:
+        r.prob([1], [2])
+    assert exc.value.code == grpc.StatusCode.CANCELLED
+    assert not r.health()
+    r.close()  # twice is fine
 
 
 def test_oversized_requests_are_refused_with_resource_exhausted(model_path: Path) -> None:
@@ -432,6 +512,21 @@ def test_sigterm_drains_the_request_in_flight_and_exits_zero(
         messages = d.log_messages()
         assert any("shutdown requested" in m for m in messages), messages
         assert messages[-1] == "stopped"
+        r.close()
+
+
+def test_an_idle_connected_client_does_not_hold_up_the_drain(model_path: Path) -> None:
+    # The client must acknowledge the daemon's GOAWAY while it makes no call; the daemon would
+    # otherwise wait out its whole shutdown grace period (30 s) for the connection.
+    with Daemon(model_path) as d:
+        r = connect(d.url, timeout=30)
+        assert r.health()
+        started = time.monotonic()
+        assert d.terminate(timeout=60) == 0
+        assert time.monotonic() - started < 10, "the drain waited for an idle client"
+        assert "clients did not close their idle connections; closing them" not in (
+            d.log_messages()
+        )
         r.close()
 
 

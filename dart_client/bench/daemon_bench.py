@@ -7,7 +7,8 @@ Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the 
 requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
 
 * latency: round-trip time of one prune request, one client, p50 and p99 (remote), and the
-  same call in process;
+  same call in process; and the round trip of an empty call (a health check), the transport's
+  own floor;
 * throughput: prunes per second with 1, 4 and 16 concurrent clients, each client its own
   process (as GPU workers are), remote and in process.
 
@@ -133,6 +134,19 @@ def latency(
     return out
 
 
+def empty_call_latency(remote: Any, n: int) -> tuple[float, float]:
+    """(p50 us, p99 us) of health checks: the round trip with no work on either side."""
+    for _ in range(min(n, 200)):
+        remote.health()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        remote.health()
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    return statistics.median(ts) / 1e3, ts[min(len(ts) - 1, int(len(ts) * 0.99))] / 1e3
+
+
 def _client(
     kind: str,
     model_path: str,
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
 
         rows = []
-        lat = latency({kind: make_pruner(kind, args.model, url) for kind in KINDS}, drafts)
+        pruners = {kind: make_pruner(kind, args.model, url) for kind in KINDS}
+        lat = latency(pruners, drafts)
+        empty = empty_call_latency(pruners["remote"].ngram, args.requests)
         # The best of `repeat` runs, alternating backends: on a shared machine the load of
         # others only ever slows a run down.
         tput: dict[tuple[str, int], float] = {}
@@ -257,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|" + "|".join(" --- " for _ in header) + "|")
         for r in rows:
             print("| " + " | ".join(r) + " |")
+        print(
+            f"\nRound trip of an empty call (health check), one client: p50 {empty[0]:.1f} us, "
+            f"p99 {empty[1]:.1f} us."
+        )
     finally:
         daemon.terminate()
         try:

@@ -1,6 +1,11 @@
 //! A tower layer around the whole gRPC server: per-request metrics and logs, and the status
 //! of an oversized request.
 //!
+//! A request counts as in flight (the `dart_ngram_in_flight_requests` gauge, which a drain on
+//! SIGTERM waits on) from its headers until its response body has been handed over in full
+//! (trailers included) or dropped, not merely until its handler returned: the guard travels
+//! inside the response body ([`ObservedBody`]).
+//!
 //! It sits at the HTTP level so it sees every request, including those tonic refuses before
 //! any handler runs (an oversized message, an unknown method). A unary error is a
 //! "trailers-only" response whose `grpc-status` is in the response headers; an OK response
@@ -12,9 +17,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{HeaderValue, Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use tower::{Layer, Service};
 
-use crate::metrics::{Metrics, METHODS};
+use crate::metrics::{Metrics, RequestGuard, METHODS};
 
 #[derive(Clone)]
 pub struct ObserveLayer {
@@ -56,7 +62,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ObservedBody<ResBody>>;
     type Error = S::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
@@ -118,8 +124,48 @@ where
                     );
                 }
             }
-            Ok(response)
+            Ok(response.map(|body| ObservedBody {
+                inner: body,
+                guard: Some(guard),
+            }))
         })
+    }
+}
+
+/// A response body that holds its request's [`RequestGuard`] until the last frame (the
+/// trailers, for gRPC) has been taken, the body reports its end, it fails, or it is dropped.
+pub struct ObservedBody<B> {
+    inner: B,
+    guard: Option<RequestGuard>,
+}
+
+impl<B: Body + Unpin> Body for ObservedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let done = match &polled {
+            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || this.inner.is_end_stream(),
+            Poll::Ready(_) => true,
+            Poll::Pending => false,
+        };
+        if done {
+            this.guard = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -5,11 +5,13 @@
 //! * [`service`]: the handlers (validation, the model and pruner calls, status codes).
 //! * [`server`]: binding, serving, health, graceful drain.
 //! * [`layer`] and [`metrics`]: per-request metrics and logs, Prometheus exposition.
+//! * [`linger`]: closing connections without losing the end of a response.
 //! * [`numa`]: pinning threads and memory to a NUMA node.
 //! * [`run`]: the whole `dart-ngram serve` process.
 
 pub mod error;
 pub mod layer;
+pub mod linger;
 pub mod metrics;
 pub mod numa;
 pub mod server;

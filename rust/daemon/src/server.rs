@@ -12,8 +12,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-/// How long a shutdown lingers after the last handler returned, for its response to be sent.
-const DRAIN_LINGER: Duration = Duration::from_millis(250);
+/// How long a drained daemon (no request in flight) waits for its clients to acknowledge the
+/// shutdown and close their connections before it stops anyway. A client that does not answer
+/// (wedged, stopped) must not hold the daemon for the whole shutdown grace period.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 use crate::error::{DaemonError, Result};
 use crate::layer::ObserveLayer;
@@ -162,19 +164,18 @@ impl Bound {
             reporter
                 .set_not_serving::<NGramServiceServer<Arc<NGramServer>>>()
                 .await;
-            // Let the handlers of requests already received finish before the transport starts
-            // closing connections: a request whose body is still arriving when the HTTP/2
-            // shutdown begins can otherwise be reset under load.
+            // Let the requests already received finish before the transport starts closing
+            // connections: a request whose body is still arriving when the HTTP/2 shutdown
+            // begins can otherwise be reset under load. A request stays in flight until its
+            // response body has been handed over (see `layer`).
             let deadline = tokio::time::Instant::now() + grace;
             while draining_metrics.in_flight() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            // A handler that has returned may still be writing its response body; give the
-            // writes a moment before the transport closes idle connections.
-            tokio::time::sleep(DRAIN_LINGER.min(grace)).await;
             drain_started2.notify_one();
         };
 
+        let closing = Arc::new(crate::linger::Closing::default());
         let serve = Server::builder()
             .layer(ObserveLayer::new(
                 Arc::clone(&metrics),
@@ -182,18 +183,27 @@ impl Bound {
             ))
             .add_service(health)
             .add_service(service)
-            .serve_with_incoming_shutdown(incoming(grpc), signal);
+            .serve_with_incoming_shutdown(incoming(grpc, Arc::clone(&closing)), signal);
 
         let result = tokio::select! {
             r = serve => r.map_err(DaemonError::from),
-            _ = async {
-                drain_started.notified().await;
-                tokio::time::sleep(grace).await;
-            } => {
-                tracing::warn!(grace_secs = grace.as_secs_f64(), "requests still in flight after the shutdown grace period; exiting anyway");
+            busy = drained_and_idle(&drain_started, &metrics, grace) => {
+                if busy {
+                    tracing::warn!(
+                        grace_secs = grace.as_secs_f64(),
+                        "requests still in flight after the shutdown grace period; exiting anyway"
+                    );
+                } else {
+                    tracing::info!(
+                        close_wait_secs = CLOSE_WAIT.as_secs_f64(),
+                        "clients did not close their idle connections; closing them"
+                    );
+                }
                 Ok(())
             }
         };
+        // Connections the transport has let go of finish closing (at most LINGER more).
+        let _ = tokio::time::timeout(crate::linger::LINGER, closing.wait()).await;
         let _ = stop_tx.send(true);
         if let Some(task) = metrics_task {
             let _ = task.await;
@@ -203,19 +213,47 @@ impl Bound {
     }
 }
 
-/// Accepted connections with Nagle's algorithm off. `Server::tcp_nodelay` only applies to
-/// listeners tonic binds itself; without this a response written in two pieces waits for the
-/// client's delayed ACK (~40 ms per call on Linux loopback).
+/// Once the drain has started, resolves when no request has been in flight for `CLOSE_WAIT`
+/// (`false`: connections that are still open are idle) or when `grace` has passed (`true`:
+/// requests are still in flight). Until then the transport closes connections as clients
+/// acknowledge the shutdown.
+async fn drained_and_idle(
+    drain_started: &tokio::sync::Notify,
+    metrics: &Metrics,
+    grace: Duration,
+) -> bool {
+    drain_started.notified().await;
+    let start = tokio::time::Instant::now();
+    let mut idle_since = start;
+    loop {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = tokio::time::Instant::now();
+        if metrics.in_flight() > 0 {
+            idle_since = now;
+        } else if now - idle_since >= CLOSE_WAIT {
+            return false;
+        }
+        if now - start >= grace {
+            return true;
+        }
+    }
+}
+
+/// Accepted connections with Nagle's algorithm off, closed with a linger (see `linger`).
+/// `Server::tcp_nodelay` only applies to listeners tonic binds itself; without this a response
+/// written in two pieces waits for the client's delayed ACK (~40 ms per call on Linux
+/// loopback).
 fn incoming(
     listener: TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    closing: Arc<crate::linger::Closing>,
+) -> impl tokio_stream::Stream<Item = std::io::Result<crate::linger::Lingering>> {
     use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|accepted| {
+    TcpListenerStream::new(listener).map(move |accepted| {
         let stream = accepted?;
         if let Err(err) = stream.set_nodelay(true) {
             tracing::warn!(error = %err, "cannot set TCP_NODELAY on a connection");
         }
-        Ok(stream)
+        Ok(crate::linger::Lingering::new(stream, Arc::clone(&closing)))
     })
 }
 

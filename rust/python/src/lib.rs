@@ -8,6 +8,7 @@ pub mod build;
 pub mod errors;
 pub mod ngram;
 pub mod pruner;
+pub mod remote;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -16,5 +17,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ngram::register(m)?;
     build::register(m)?;
     pruner::register(m)?;
+    remote::register(m)?;
     Ok(())
 }
