@@ -37,14 +37,27 @@ class Acceptance:
         return [*self.tokens, self.bonus]
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The argmax of one row of logits, first index on ties (as transformers' greedy search).
+
+    In float32: the exact upcast of bf16/fp16 keeps every comparison and tie, and CPU argmax
+    over bf16 is several times slower than the upcast plus a float32 argmax.
+    """
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return int(logits.argmax())
+
+
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    """Longest path whose every token equals the target's argmax at its parent."""
+    """Longest path whose every token equals the target's argmax at its parent.
+
+    Only the rows the walk visits are reduced (one full-vocabulary argmax per node).
+    """
     node = 0
     nodes = [0]
     tokens: list[int] = []
     while True:
-        # Only the rows the walk visits are reduced (a full-vocabulary argmax per node).
-        want = int(logits[node].argmax())
+        want = greedy_token(logits[node])
         nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
         if nxt is None:
             return Acceptance(nodes=nodes, tokens=tokens, bonus=want)

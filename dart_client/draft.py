@@ -44,7 +44,8 @@ def draft_rows(
     """
     logits = head(taps.to(head.fc.weight.dtype), next_ids, cache, num_masks=num_masks)[0]
     k = min(k, logits.shape[-1])
-    top = torch.topk(logits.float(), k, dim=-1)
-    probs = torch.softmax(top.values, dim=-1)
-    ids = head.draft_to_target[top.indices]
-    return DraftRows(ids=ids.cpu().numpy(), probs=probs.cpu().numpy())
+    # top-k in the head's own dtype (no float copy of every row), softmax over k in float32.
+    top = torch.topk(logits, k, dim=-1)
+    probs = torch.softmax(top.values.float(), dim=-1)
+    ids = head.draft_to_target_numpy[top.indices.cpu().numpy()]
+    return DraftRows(ids=ids, probs=probs.cpu().numpy())

@@ -12,11 +12,14 @@ One DART step, as one token's trip reads top to bottom:
 
 ``ar_generate`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
 and seed handling, so the two are comparable for speed and for losslessness.
+
+Every step's time falls in exactly one stage of :data:`STAGES` (see
+:class:`GenerationResult`); ``verify`` is only the time inside the target's forward call, so
+``step time - verify`` is the cost of everything that is not a target forward.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dart_client.accept import Acceptance, accept_greedy, accept_sampling
+from dart_client.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
 from dart_client.draft import DraftRows, draft_rows
 from dart_client.errors import (
     ContextTooLongError,
@@ -38,7 +41,8 @@ from dart_client.verify import Tree, verify_tree
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
-STAGES = ("prefill", "draft", "prune", "verify", "accept", "compact")
+#: Keys of :attr:`GenerationResult.timings` (documented there).
+STAGES = ("prefill", "draft", "prune", "inputs", "verify", "accept", "compact", "emit")
 
 #: Tokens of context handed to the pruner: it only reads the last order-1 of them.
 PRUNER_CONTEXT = 8
@@ -70,9 +74,26 @@ class GenerationResult:
     ``text`` is their decoding without special tokens, cut before a stop string.
     ``accept_lengths`` counts the tokens each step produced (accepted drafts + the bonus,
     the prefill's first token being step 0's 1); ``tau`` is their mean over the
-    speculative steps, as papers report it. ``timings`` (seconds) per stage: ``prefill`` (the
-    target's and the head's passes over the prompt), then summed over the steps ``draft``,
-    ``prune``, ``verify``, ``accept`` and ``compact``.
+    speculative steps, as papers report it.
+
+    ``timings`` (seconds, keys :data:`STAGES`): ``prefill`` is the target's and the head's
+    passes over the prompt and the first token's pick; then, summed over the steps, each
+    step's time in exactly one of
+
+    * ``draft``   -- the head forward over the last step's accepted positions, top-k, the
+      transfer of the rows to the CPU (DART only);
+    * ``prune``   -- the tree builder (the Rust pruner, in-process or remote) and its inputs;
+    * ``inputs``  -- everything around the target's forward call: node ids, positions, the
+      attention mask, the gathered taps;
+    * ``verify``  -- the target's forward call itself (over the tree, or one token for AR);
+    * ``accept``  -- greedy or rejection acceptance (the bonus token's pick for AR);
+    * ``compact`` -- moving the accepted nodes' K/V into place;
+    * ``emit``    -- length/EOS/stop checks and the incremental detokenisation of the step's
+      tokens (the stream consumer's time is not counted).
+
+    ``elapsed - sum(timings)`` is the loop's own bookkeeping, the final text's decoding and,
+    when streaming, the consumer's time between events. All are read from the target's
+    ``clock`` (wall time unless a profile chose otherwise).
     """
 
     text: str
@@ -300,15 +321,19 @@ class _Run:
         self.finish: str | None = None
         self.sync = self.device.type == "cuda"
         self.emitted_text = ""
+        tokenizer = model.tokenizer
+        self.detok = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.stop_scanned = 0  # characters of self.detok.text already searched for stops
+        self.final_text: tuple[int, str] | None = None  # (tokens decoded, text) of _text()
 
     def _clock(self) -> float:
         if self.sync:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return self.target.clock()
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
-            return int(logits.argmax())
+            return greedy_token(logits)
         return sample(target_probs(logits, self.params), self.generator)
 
     def events(self) -> Iterator[StreamEvent | GenerationResult]:
@@ -324,13 +349,20 @@ class _Run:
         )
         first = self._pick(logits[0, -1])
         t = self._clock()
-        self.timings["prefill"] += t - start
-        yield from self._emit([first], 1, 0, {"prefill": t - start})
+        step0 = {"prefill": t - start}
+        event = self._emit([first], 1, 0, step0)
+        self._lap(t, "emit", step0)
+        for stage, seconds in step0.items():
+            self.timings[stage] += seconds
+        yield event
 
         rows: DraftRows | None = None
         head_cache = None
+        # What the next draft reads: the last forward's taps and the accepted nodes' tokens.
+        pending: tuple[torch.Tensor, list[int], list[int]] | None = None
         if head is not None and self.finish is None:
             assert taps is not None
+            t = self._clock()
             head_cache = head.new_cache(self.max_length + head.config.draft_length)
             next_ids = torch.tensor(
                 [[*self.prompt[1:], first]], dtype=torch.long, device=self.device
@@ -341,59 +373,74 @@ class _Run:
 
         while self.finish is None:
             step: dict[str, float] = {}
+            t = self._clock()
+            if pending is not None:
+                assert head is not None and head_cache is not None
+                step_taps, nodes, new = pending
+                index = torch.tensor(nodes, dtype=torch.long, device=self.device)
+                next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+                rows = draft_rows(
+                    head,
+                    head_cache,
+                    step_taps.index_select(1, index),
+                    next_ids,
+                    self.model.draft_top_k,
+                )
+                pending = None
+                t = self._lap(t, "draft", step)
             room = min(
                 self.max_length - prompt_len - len(self.generated),
                 self.max_new - len(self.generated),
             )
             cache_len = cache.length
             root = self.generated[-1]
-            t0 = self._clock()
             budget = room - 1  # leaves room for the bonus token
             if self.tree_budget is not None:
                 budget = min(budget, self.tree_budget)
             if head is not None and rows is not None and budget > 0:
                 assert self.model.tree_builder is not None
                 context = np.asarray(
-                    (self.prompt + self.generated)[-PRUNER_CONTEXT:], dtype=np.int64
+                    self.generated[-PRUNER_CONTEXT:]
+                    if len(self.generated) >= PRUNER_CONTEXT
+                    else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
+                    dtype=np.int64,
                 )
                 tree = self.model.tree_builder.build(context, rows, budget)
             else:
                 tree = Tree.root_only(root)
-            t1 = self._clock()
-            step["prune"] = t1 - t0
+            t = self._lap(t, "prune", step)
             logits, taps = (
                 verify_tree(target, cache, tree)
                 if head is not None
                 else self._ar_forward(cache, root)
             )
+            forward = target.last_forward_seconds
             t2 = self._clock()
-            step["verify"] = t2 - t1
+            step["inputs"] = t2 - t - forward
+            step["verify"] = forward
+            t = t2
             acc: Acceptance = (
                 accept_greedy(tree, logits)
                 if self.params.greedy
                 else accept_sampling(tree, logits, self.params, self.generator)
             )
-            t3 = self._clock()
-            step["accept"] = t3 - t2
+            t = self._lap(t, "accept", step)
             cache.keep(cache_len, acc.nodes, self.device)
-            t4 = self._clock()
-            step["compact"] = t4 - t3
+            t = self._lap(t, "compact", step)
             new = acc.new_tokens
-            yield from self._emit(new, len(new), len(tree), step)
-            if self.finish is None and head is not None:
-                assert head_cache is not None and taps is not None
-                index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
-                next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-                rows = draft_rows(
-                    head, head_cache, taps.index_select(1, index), next_ids, self.model.draft_top_k
-                )
-                self.timings["draft"] += self._clock() - t4
+            event = self._emit(new, len(new), len(tree), step)
+            self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
+            if self.finish is None and head is not None:
+                assert taps is not None
+                pending = (taps, acc.nodes, new)
+            yield event
 
+        text = self._text()
         elapsed = self._clock() - start
         yield GenerationResult(
-            text=self._text(),
+            text=text,
             tokens=list(self.generated),
             prompt_tokens=prompt_len,
             accept_lengths=list(self.accept_lengths),
@@ -404,6 +451,13 @@ class _Run:
             tree_sizes=list(self.tree_sizes),
         )
 
+    def _lap(self, since: float, stage: str, step: dict[str, float]) -> float:
+        """Book the time from ``since`` to now to ``step[stage]``; returns now (the next
+        stage's start)."""
+        now = self._clock()
+        step[stage] = now - since
+        return now
+
     def _ar_forward(self, cache: Any, token: int) -> tuple[torch.Tensor, None]:
         ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[cache.length]], dtype=torch.long, device=self.device)
@@ -412,8 +466,8 @@ class _Run:
 
     def _emit(
         self, new: list[int], accept_length: int, tree_size: int, step: dict[str, float]
-    ) -> Iterator[StreamEvent]:
-        """Append a step's tokens, apply the length / EOS / stop limits, stream the text delta."""
+    ) -> StreamEvent:
+        """Append a step's tokens, apply the length / EOS / stop limits, make the text delta."""
         self.accept_lengths.append(accept_length)
         self.tree_sizes.append(tree_size)
         before = len(self.generated)
@@ -427,21 +481,28 @@ class _Run:
         elif before + len(new) >= limit:
             self.finish = "length"
         self.generated.extend(new)
-        if self.stops:
-            cut = self._stop_cut(before)
-            if cut is not None:
-                self.generated = self.generated[:cut]
-                self.finish = "stop"
         delta = ""
-        if self.model.tokenizer is not None:
-            text = self._text()
-            if self.finish is None:
-                text = _hold_back(text, self.stops)
+        if self.detok is not None:
+            text = self.detok.update(self.generated)
+            if self.stops:
+                # Only the new text (and the longest stop's reach back into the old) can
+                # hold a stop string that was not there before.
+                scan = max(0, self.stop_scanned - max(map(len, self.stops)) + 1)
+                self.stop_scanned = len(text)
+                found = any(text.find(s, scan) >= 0 for s in self.stops)
+                # The incremental text is the final decoding for every tokenizer we know of;
+                # the last step re-checks the full decoding all the same.
+                if found or self.finish is not None:
+                    cut = self._stop_cut(before if found else 0)
+                    if cut is not None:
+                        self.generated = self.generated[:cut]
+                        self.finish = "stop"
+            text = _hold_back(text, self.stops) if self.finish is None else self._text()
             # A decoding that rewrote already-streamed text (rare byte merges) is not re-sent.
             if text.startswith(self.emitted_text):
                 delta = text[len(self.emitted_text) :]
                 self.emitted_text = text
-        yield StreamEvent(
+        return StreamEvent(
             text=delta,
             tokens=self.generated[before:],
             accept_length=accept_length,
@@ -462,15 +523,51 @@ class _Run:
         return len(self.generated)
 
     def _text(self) -> str:
+        """The full decoding of the output, cut before the first stop string (cached)."""
         tok = self.model.tokenizer
         if tok is None:
             return ""
+        if self.final_text is not None and self.final_text[0] == len(self.generated):
+            return self.final_text[1]
         text = tok.decode(self.generated, skip_special_tokens=True)
         if self.stops:
             cuts = [text.find(s) for s in self.stops if s in text]
             if cuts:
                 text = text[: min(cuts)]
+        self.final_text = (len(self.generated), text)
         return text
+
+
+class IncrementalText:
+    """The decoding of a growing token list, a few tokens at a time.
+
+    ``update(tokens)`` decodes only the tokens added since the last complete character, with
+    the previous batch of tokens as left context (tokenizers that strip a leading space or
+    join words with spaces then decode the seam as in the full text), and appends the
+    difference; text ending in an incomplete character waits for the next tokens. A step
+    thus costs two decodes of a few tokens instead of one of the whole output.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._context = 0  # first token of the decode window
+        self._read = 0  # tokens whose text is in self.text
+
+    def update(self, tokens: Sequence[int]) -> str:
+        if len(tokens) <= self._read:
+            return self.text
+        decode = self.tokenizer.decode
+        seen = decode(tokens[self._context : self._read], skip_special_tokens=True)
+        window = decode(tokens[self._context :], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
+            return self.text  # an incomplete character: wait for its remaining bytes
+        if window.startswith(seen):
+            self.text += window[len(seen) :]
+        else:  # the new tokens rewrote the context's text: start over from the full decode
+            self.text = decode(tokens, skip_special_tokens=True)
+        self._context, self._read = self._read, len(tokens)
+        return self.text
 
 
 def _hold_back(text: str, stops: list[str]) -> str:

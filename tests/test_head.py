@@ -302,3 +302,106 @@ def test_random_init_and_draft_vocab_checks(target: Any) -> None:
         head.set_draft_vocab(torch.tensor([1] * 50))
     with pytest.raises(CheckpointError, match="lie in"):
         head.set_draft_vocab(torch.arange(50) + 1000)
+
+
+# ---- the inference fast path: fused/packed weights, grouped attention, RoPE table ---------
+
+
+def bf16_head(target: Any, tmp_path: Path) -> DartHead:
+    published_checkpoint(tmp_path / "h", target)
+    head = DartHead.from_pretrained(tmp_path / "h").to(torch.bfloat16).eval()
+    head.bind_embedding(target.get_input_embeddings().to(torch.bfloat16))
+    return head
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")
+def test_packed_weights_give_the_plain_products(tmp_path: Path, target: Any) -> None:
+    """The cached (fused, oneDNN-packed) weights compute what the separate layers compute."""
+    g = torch.Generator().manual_seed(3)
+    taps = torch.randn(1, 6, 3 * H, generator=g).to(torch.bfloat16)
+    nxt = torch.randint(0, target.config.vocab_size, (1, 6), generator=g)
+    with torch.no_grad():
+        fast = bf16_head(target, tmp_path / "a")
+        got = fast(taps, nxt, fast.new_cache(16))
+        with torch.backends.mkldnn.flags(enabled=False):
+            plain = bf16_head(target, tmp_path / "b")
+            want = plain(taps, nxt, plain.new_cache(16))
+    cached = {
+        key: value
+        for module in fast.modules()
+        for key, (_, value) in module.__dict__.get("_derived_weights", {}).items()
+    }
+    linear = {names: v for (kind, names), v in cached.items() if kind == "linear"}
+    assert set(linear) == {("fc",), ("q_proj", "k_proj", "v_proj"), ("o_proj",),
+                           ("gate_proj", "up_proj"), ("down_proj",), ("lm_head",)}  # fmt: skip
+    if torch.backends.mkldnn.is_available():
+        assert all(packed for _, packed in linear.values()), "oneDNN packing was not used"
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.02 * float(scale))
+
+
+def test_cached_weights_follow_in_place_updates_and_dtype_changes(
+    tmp_path: Path, target: Any
+) -> None:
+    head = bf16_head(target, tmp_path)
+    taps = torch.ones(1, 2, 3 * H, dtype=torch.bfloat16)
+    nxt = torch.tensor([[5, 6]])
+    with torch.no_grad():
+        before = head(taps, nxt, head.new_cache(8))
+        head.lm_head.weight.neg_()  # an optimizer-style in-place update
+        flipped = head(taps, nxt, head.new_cache(8))
+        head.midlayer.self_attn.k_proj.weight.mul_(3)  # one part of the fused q/k/v weight
+        rekeyed = head(taps, nxt, head.new_cache(8))
+        head.double()
+        wide = head(taps.double(), nxt, head.new_cache(8))
+    assert torch.equal(flipped, -before)
+    assert not torch.equal(rekeyed, flipped)
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide.float(), rekeyed.float(), rtol=0.05, atol=0.05)
+
+
+def test_autograd_reaches_every_fused_weight(tmp_path: Path, target: Any) -> None:
+    published_checkpoint(tmp_path / "h", target)
+    head = DartHead.from_pretrained(tmp_path / "h").double().train()
+    head.bind_embedding(target.get_input_embeddings())
+    taps = torch.randn(1, 3, 3 * H, dtype=torch.float64)
+    head(taps, torch.tensor([[5, 6, 7]]), head.new_cache(8)).sum().backward()
+    attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+    for layer in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, head.fc):
+        assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    for norm in (head.midlayer.input_layernorm, head.midlayer.hidden_norm):
+        assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
+def test_grouped_query_rows_equal_repeated_kv(tmp_path: Path, target: Any) -> None:
+    """Attention with the query heads of a K/V group as extra rows (decoding) is the same
+    as repeating K/V per query head."""
+    from dart_client.models.head import causal_mask
+
+    published_checkpoint(tmp_path / "h", target)
+    head = DartHead.from_pretrained(tmp_path / "h").double()
+    attn = head.midlayer.self_attn
+    groups = attn.num_heads // attn.num_kv_heads
+    assert groups > 1
+    n, past = 5, 7
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, n, 2 * H, generator=g, dtype=torch.float64)
+    prefix = torch.randn(1, past, 2 * H, generator=g, dtype=torch.float64)
+    outs = []
+    for rows in (1, groups):
+        cache = head.new_cache(32)
+        with torch.no_grad():
+            attn(prefix, head.rope(0, past, x), cache, causal_mask(past, 0, x.dtype, x.device))
+            mask = causal_mask(n, past, x.dtype, x.device, rows)
+            assert mask.shape == (1, 1, rows * n, past + n)
+            outs.append(attn(x, head.rope(past, n, x), cache, mask))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+
+
+def test_rope_table_rows_are_the_rotary_embedding(target: Any) -> None:
+    head = DartHead.random_init(target.config)
+    like = torch.zeros(1, dtype=torch.bfloat16)
+    for start, n in ((0, 3), (250, 12), (600, 9), (5, 2)):  # grows past its first 256 rows
+        cos, sin = head.rope(start, n, like)
+        want = head.rotary(like, torch.arange(start, start + n).unsqueeze(0))
+        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])

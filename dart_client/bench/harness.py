@@ -52,6 +52,7 @@ import torch
 
 from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
+from dart_client.generate import STAGES
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -60,7 +61,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The trained head of the embedded default, shipped inside the package.
 EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
 METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-remote")
-STAGES = ("prefill", "draft", "prune", "verify", "accept", "compact")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 
 

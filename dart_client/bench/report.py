@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from dart_client.bench.harness import WorkloadRuns
+from dart_client.generate import STAGES
 
 #: generate.STAGES plus the time outside them (Python between stages, stream bookkeeping).
-SHOWN_STAGES = ("draft", "prune", "verify", "accept", "compact", "prefill", "other")
+SHOWN_STAGES = (*(s for s in STAGES if s != "prefill"), "prefill", "other")
 
 
 def per_prompt(results: Sequence[WorkloadRuns]) -> dict[str, list[dict[str, Any]]]:
@@ -251,6 +252,8 @@ _STAGE_COLORS = {
     "verify": "#55a868",
     "accept": "#c44e52",
     "compact": "#8172b3",
+    "inputs": "#da8bc3",
+    "emit": "#ccb974",
     "prefill": "#937860",
     "other": "#bbbbbb",
 }

@@ -2,31 +2,46 @@
 
     python -m dart_client.bench.step_profile [--base MODEL] [--head DIR|random]
         [--ngram PATH|embedded] [--dtype bf16] [--prompts 8] [--max-new 64] [--threads N]
-        [--json OUT.json]
+        [--clock wall|cpu] [--json OUT.json]
 
 Defaults: the embedded SmolLM2-135M-Instruct in bf16 on CPU, an untrained random head
 (tau near 1 is expected; the trained head comes with the training issue), the embedded
 ShareGPT 3-gram, Spec-Bench questions formatted with the tokenizer's chat template, greedy.
 
-Reports, per step: draft (head forward + top-k), prune (Rust pruner), verify (target forward
-over the tree), accept and compact; the overhead of everything that is not a target forward
-relative to one verify forward (goal: under 10%); and tokens/s of ``dart_generate`` against
-``ar_generate`` on the same prompts.
+Every step's time is in exactly one stage of :data:`dart_client.generate.STAGES` (draft,
+prune, inputs, verify, accept, compact, emit; ``verify`` is only the time inside the target's
+forward call). Reported per stage: the median and the mean over all steps; then the
+non-forward overhead of a DART step, ``step time - verify``, relative to one AR target
+forward (``verify`` of ``ar_generate`` on the same prompts, run interleaved with DART in the
+same process; goal: under 10%), as medians and as means over steps; and tokens/s of
+``dart_generate`` against ``ar_generate``.
+
+On a shared machine a short stage is either not preempted or waits a whole scheduler slice,
+so wall-time medians jump between modes; means stay proportional. ``--clock cpu`` (with
+``--threads 1``) times every stage in this thread's CPU time instead, which ignores waiting
+for a core (not the cache misses other processes cause).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dart_client.generate import STAGES, GenerationResult, GenerationStream
+
 SPEC_BENCH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench"
+#: The per-step stages (``prefill`` is once per generation).
+STEP_STAGES = tuple(s for s in STAGES if s != "prefill")
 
 
 def questions(n: int) -> list[str]:
@@ -47,6 +62,131 @@ def questions(n: int) -> list[str]:
     ][:n]
 
 
+def run_steps(stream: GenerationStream) -> tuple[GenerationResult, list[dict[str, float]]]:
+    """Drain a streamed generation; its result and each step's stage timings (seconds)."""
+    steps = [dict(event.timings) for event in stream]
+    assert stream.result is not None
+    return stream.result, [s for s in steps if "prefill" not in s]
+
+
+def profile(
+    model: Any,
+    prompts: Sequence[str],
+    max_new: int,
+    tree_budget: int | None = None,
+    log: Any = None,
+) -> dict[str, Any]:
+    """DART and AR on each prompt (interleaved), their per-step stage timings and the
+    overhead figures; times in milliseconds."""
+    from dart_client.generate import ar_generate, dart_generate
+
+    # Warm-up: first calls allocate and select kernels.
+    run_steps(dart_generate(model, prompt=prompts[0], max_new_token_num=4, stream=True))
+    run_steps(ar_generate(model, prompt=prompts[0], max_new_token_num=4, stream=True))
+
+    dart_runs: list[GenerationResult] = []
+    ar_runs: list[GenerationResult] = []
+    dart_steps: list[dict[str, float]] = []
+    ar_steps: list[dict[str, float]] = []
+    for i, prompt in enumerate(prompts):
+        kwargs: dict[str, Any] = dict(prompt=prompt, max_new_token_num=max_new, stream=True)
+        d, ds = run_steps(dart_generate(model, tree_budget=tree_budget, **kwargs))
+        a, as_ = run_steps(ar_generate(model, **kwargs))
+        dart_runs.append(d)
+        ar_runs.append(a)
+        dart_steps += ds
+        ar_steps += as_
+        if log is not None:
+            same = "same" if d.tokens == a.tokens else "DIFFERENT"
+            print(
+                f"prompt {i}: {len(d.tokens)} tokens, tau {d.tau:.2f}, dart "
+                f"{d.tokens_per_second:.1f} tok/s, ar {a.tokens_per_second:.1f} tok/s, {same}",
+                file=log,
+            )
+    return summarise(dart_runs, ar_runs, dart_steps, ar_steps)
+
+
+def _stats(steps: list[dict[str, float]], key: Any) -> dict[str, float]:
+    values = [1000 * key(s) for s in steps] or [0.0]
+    return {"median": statistics.median(values), "mean": statistics.fmean(values)}
+
+
+def summarise(
+    dart_runs: list[GenerationResult],
+    ar_runs: list[GenerationResult],
+    dart_steps: list[dict[str, float]],
+    ar_steps: list[dict[str, float]],
+) -> dict[str, Any]:
+    """The report of :func:`profile` from the runs and their per-step timings."""
+
+    def total(s: dict[str, float]) -> float:
+        return sum(s.get(k, 0.0) for k in STEP_STAGES)
+
+    def overhead(s: dict[str, float]) -> float:
+        return total(s) - s.get("verify", 0.0)
+
+    stages = {k: _stats(dart_steps, lambda s, k=k: s.get(k, 0.0)) for k in STEP_STAGES}
+    step = _stats(dart_steps, total)
+    over = _stats(dart_steps, overhead)
+    ar_forward = _stats(ar_steps, lambda s: s.get("verify", 0.0))
+    ar_over = _stats(ar_steps, overhead)
+    # What the stage clocks did not see: the loop's own bookkeeping and the final decode.
+    booked = sum(sum(r.timings.values()) for r in dart_runs)
+    elapsed = sum(r.elapsed for r in dart_runs)
+    tree_sizes = [s for r in dart_runs for s in r.tree_sizes[1:]]
+    dart_tps = sum(len(r.tokens) for r in dart_runs) / max(sum(r.elapsed for r in dart_runs), 1e-9)
+    ar_tps = sum(len(r.tokens) for r in ar_runs) / max(sum(r.elapsed for r in ar_runs), 1e-9)
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b > 0 else None
+
+    return {
+        "prompts": len(dart_runs),
+        "steps": len(dart_steps),
+        "tau": sum(sum(r.accept_lengths[1:]) for r in dart_runs) / max(len(dart_steps), 1),
+        "mean_tree_nodes": statistics.fmean(tree_sizes) if tree_sizes else 0.0,
+        "ms_per_step": stages,
+        "step_ms": step,
+        "overhead_ms": over,
+        "ar_forward_ms": ar_forward,
+        "ar_overhead_ms": ar_over,
+        "overhead_vs_ar_forward": {k: ratio(over[k], ar_forward[k]) for k in ("median", "mean")},
+        "unbooked_ms_per_step": 1000 * (elapsed - booked) / max(len(dart_steps), 1),
+        "dart_tokens_per_s": dart_tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": ratio(dart_tps, ar_tps),
+        "greedy_identical": sum(
+            d.tokens == a.tokens for d, a in zip(dart_runs, ar_runs, strict=True)
+        ),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The per-stage table and the overhead line."""
+    lines = ["| stage | median ms / step | mean ms / step |", "|---|---|---|"]
+    for k, v in report["ms_per_step"].items():
+        lines.append(f"| {k} | {v['median']:.2f} | {v['mean']:.2f} |")
+    for label, key in (
+        ("whole DART step", "step_ms"),
+        ("DART step minus its target forward", "overhead_ms"),
+        ("one AR target forward", "ar_forward_ms"),
+        ("AR step minus its target forward", "ar_overhead_ms"),
+    ):
+        v = report[key]
+        lines.append(f"| {label} | {v['median']:.2f} | {v['mean']:.2f} |")
+    pct = report["overhead_vs_ar_forward"]
+    lines.append("")
+    lines.append(
+        f"tau {report['tau']:.3f}, mean tree {report['mean_tree_nodes']:.1f} nodes, "
+        f"{report['steps']} steps; non-forward overhead of a DART step = "
+        f"{100 * (pct['median'] or 0):.1f}% of one AR forward (medians; means "
+        f"{100 * (pct['mean'] or 0):.1f}%); unbooked {report['unbooked_ms_per_step']:.3f} ms/step; "
+        f"DART {report['dart_tokens_per_s']:.1f} tok/s vs AR {report['ar_tokens_per_s']:.1f} "
+        f"tok/s ({report['greedy_identical']}/{report['prompts']} greedy outputs identical)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default=None)
@@ -57,13 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--tree-budget", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or this thread's CPU time (blind to waiting for a core on a shared "
+        "machine; needs --threads 1)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        p.error("--clock cpu counts the calling thread only: use it with --threads 1")
 
     from dart_client.cli import load_model
-    from dart_client.generate import ar_generate, dart_generate
 
     ns = argparse.Namespace(
         base=args.base,
@@ -79,71 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = load_model(ns)
     assert model.template is not None
+    if args.clock == "cpu":
+        model.target.clock = time.thread_time
     prompts = [
         model.template.format(messages=[{"role": "user", "content": q}])
         for q in questions(args.prompts)
     ]
-    kwargs = dict(max_new_token_num=args.max_new, tree_budget=args.tree_budget)
-    # Warm-up: first calls allocate and select kernels.
-    dart_generate(model, prompt=prompts[0], max_new_token_num=4)
-    ar_generate(model, prompt=prompts[0], max_new_token_num=4)
-
-    dart_runs, ar_runs = [], []
-    for i, prompt in enumerate(prompts):
-        d = dart_generate(model, prompt=prompt, **kwargs)
-        a = ar_generate(model, prompt=prompt, max_new_token_num=args.max_new)
-        dart_runs.append(d)
-        ar_runs.append(a)
-        same = "same" if d.tokens == a.tokens else "DIFFERENT"
-        print(
-            f"prompt {i}: {len(d.tokens)} tokens, tau {d.tau:.2f}, dart "
-            f"{d.tokens_per_second:.1f} tok/s, ar {a.tokens_per_second:.1f} tok/s, {same}",
-            file=sys.stderr,
-        )
-
-    steps = sum(r.steps for r in dart_runs)
-    per_step = {
-        k: 1000 * sum(r.timings[k] for r in dart_runs) / max(steps, 1)
-        for k in ("draft", "prune", "verify", "accept", "compact")
-    }
-    ar_steps = sum(r.steps for r in ar_runs)
-    ar_forward = 1000 * sum(r.timings["verify"] for r in ar_runs) / max(ar_steps, 1)
-    overhead = per_step["draft"] + per_step["prune"] + per_step["accept"] + per_step["compact"]
-    tree_sizes = [s for r in dart_runs for s in r.tree_sizes[1:]]
-    dart_tps = sum(len(r.tokens) for r in dart_runs) / sum(r.elapsed for r in dart_runs)
-    ar_tps = sum(len(r.tokens) for r in ar_runs) / sum(r.elapsed for r in ar_runs)
-    report: dict[str, Any] = {
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch "
+    report = profile(model, prompts, args.max_new, args.tree_budget, log=sys.stderr)
+    report.update(
+        machine=f"{platform.machine()} {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}",
-        "dtype": args.dtype,
-        "prompts": len(prompts),
-        "max_new": args.max_new,
-        "steps": steps,
-        "tau": sum(sum(r.accept_lengths[1:]) for r in dart_runs) / max(steps, 1),
-        "mean_tree_nodes": statistics.fmean(tree_sizes) if tree_sizes else 0.0,
-        "ms_per_step": per_step,
-        "ar_forward_ms": ar_forward,
-        "overhead_ms": overhead,
-        "overhead_vs_verify": overhead / per_step["verify"] if per_step["verify"] else None,
-        "overhead_vs_ar_forward": overhead / ar_forward if ar_forward else None,
-        "dart_tokens_per_s": dart_tps,
-        "ar_tokens_per_s": ar_tps,
-        "speedup": dart_tps / ar_tps if ar_tps else None,
-        "greedy_identical": sum(
-            d.tokens == a.tokens for d, a in zip(dart_runs, ar_runs, strict=True)
-        ),
-    }
-    print("| stage | ms / step |\n|---|---|")
-    for k, v in per_step.items():
-        print(f"| {k} | {v:.2f} |")
-    print(f"| one AR target forward | {ar_forward:.2f} |")
-    print(
-        f"\ntau {report['tau']:.3f}, mean tree {report['mean_tree_nodes']:.1f} nodes; "
-        f"non-forward overhead {overhead:.2f} ms/step = "
-        f"{100 * (report['overhead_vs_ar_forward'] or 0):.1f}% of one AR forward; "
-        f"DART {dart_tps:.1f} tok/s vs AR {ar_tps:.1f} tok/s "
-        f"({report['greedy_identical']}/{len(prompts)} greedy outputs identical)"
+        load_average=os.getloadavg(),
+        clock=args.clock,
+        dtype=args.dtype,
+        max_new=args.max_new,
     )
+    print(markdown(report))
+    print(f"clock: {args.clock}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -13,6 +13,7 @@ can never grow past its capacity.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,14 +25,34 @@ from dart_client.errors import UnsupportedTargetError
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's K/V in a fixed-capacity buffer; ``keys``/``values`` are views of the prefix."""
+    """One layer's K/V in a fixed-capacity buffer; ``keys``/``values`` are views of the prefix.
+
+    The views are made when read (``update`` returns them), so moving the length -- once per
+    layer per step -- costs an integer store, not two tensor slices.
+    """
 
     def __init__(self, capacity: int) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
         super().__init__()
         self.capacity = capacity
         self.length = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _views_only(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _views_only(value)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -40,8 +61,6 @@ class PreallocatedLayer(DynamicLayer):
         self._v = value_states.new_empty(
             (b, value_states.shape[1], self.capacity, value_states.shape[3])
         )
-        self.keys = self._k[:, :, :0]
-        self.values = self._v[:, :, :0]
         self.is_initialized = True
 
     def update(
@@ -58,9 +77,7 @@ class PreallocatedLayer(DynamicLayer):
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
         self.length = end
-        self.keys = self._k[:, :, :end]
-        self.values = self._v[:, :, :end]
-        return self.keys, self.values
+        return self._k[:, :, :end], self._v[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -70,9 +87,6 @@ class PreallocatedLayer(DynamicLayer):
 
     def set_length(self, length: int) -> None:
         self.length = length
-        if self._k is not None and self._v is not None:
-            self.keys = self._k[:, :, :length]
-            self.values = self._v[:, :, :length]
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -91,6 +105,16 @@ class PreallocatedLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.set_length(0)
+
+
+def _views_only(value: torch.Tensor | None) -> None:
+    """transformers' base classes set ``keys``/``values`` to None on init; nothing may
+    replace the views of a preallocated buffer."""
+    if value is not None:
+        raise RuntimeError(
+            "a preallocated K/V layer's keys/values are views of its buffer: write through "
+            "update(), move the length with set_length()"
+        )
 
 
 class TargetCache(Cache):
@@ -163,6 +187,13 @@ class TargetModel:
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
         self._taps: dict[int, torch.Tensor] = {}
         self._capture = False
+        #: Seconds the last :meth:`forward` spent inside the model's own forward call (the
+        #: mask, the taps and the caller's input tensors excluded).
+        self.last_forward_seconds = 0.0
+        #: The clock of that figure and of generation's stage timings: wall time; a profile
+        #: on a shared machine may use ``time.thread_time`` (this thread's CPU time, blind to
+        #: waits for a core; valid with one intra-op thread, the calling one).
+        self.clock = time.perf_counter
         self._hooks = [
             layers[i].register_forward_pre_hook(self._make_hook(slot), with_kwargs=True)
             for slot, i in enumerate(self.tap_layers)
@@ -242,7 +273,11 @@ class TargetModel:
         mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device)
         self._taps.clear()
         self._capture = taps
+        sync = input_ids.device.type == "cuda"
         try:
+            if sync:
+                torch.cuda.synchronize(input_ids.device)
+            start = self.clock()
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -251,6 +286,9 @@ class TargetModel:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
+            if sync:
+                torch.cuda.synchronize(input_ids.device)
+            self.last_forward_seconds = self.clock() - start
         finally:
             self._capture = False
         tapped = None

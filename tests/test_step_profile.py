@@ -1,0 +1,46 @@
+"""The step profile benchmark's accounting, on a tiny float64 target (real pruner)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import make_tiny_target, make_tiny_tokenizer
+
+from dart_client import DartModel
+from dart_client.bench import step_profile
+from dart_client.models.head import DartHead
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_profile_books_the_overhead_against_ar_forwards(tiny_ngram_path: Any) -> None:
+    pytest.importorskip("dart_client.pruner")
+    from dart_client.ngram import NGram
+
+    model = make_tiny_target("llama", seed=2)
+    head = DartHead.random_init(model.config, draft_length=3, seed=1).double()
+    dm = DartModel(
+        model, head, tokenizer=make_tiny_tokenizer(), ngram=NGram.open(str(tiny_ngram_path))
+    )
+    prompts = ["w5 w17 w200", "w9 w9 w31 w40 w7", "w300"]
+    report = step_profile.profile(dm, prompts, max_new=12)
+
+    assert report["prompts"] == 3 and report["steps"] > 0
+    assert report["greedy_identical"] == 3  # float64: DART is AR token for token
+    assert set(report["ms_per_step"]) == set(step_profile.STEP_STAGES)
+    stages = report["ms_per_step"]
+    assert all(v["median"] >= 0 and v["mean"] >= 0 for v in stages.values())
+    assert stages["verify"]["mean"] > 0 and stages["draft"]["mean"] > 0
+    # Means are linear: step = sum of stages, overhead = step - verify.
+    step, over = report["step_ms"]["mean"], report["overhead_ms"]["mean"]
+    assert step == pytest.approx(sum(v["mean"] for v in stages.values()))
+    assert over == pytest.approx(step - stages["verify"]["mean"])
+    ratio = report["overhead_vs_ar_forward"]
+    assert ratio["mean"] == pytest.approx(over / report["ar_forward_ms"]["mean"])
+    assert ratio["median"] == pytest.approx(
+        report["overhead_ms"]["median"] / report["ar_forward_ms"]["median"]
+    )
+    assert report["unbooked_ms_per_step"] >= 0
+    text = step_profile.markdown(report)
+    for row in ("| draft |", "| emit |", "| one AR target forward |", "of one AR forward"):
+        assert row in text
