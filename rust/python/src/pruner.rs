@@ -31,8 +31,9 @@ pyo3::create_exception!(
      TokenOutOfVocabError and n-gram lookup failures the NGramError family."
 );
 
-/// A tree as Python receives it.
-type PyTree<'py> = (
+/// A tree as Python receives it: `(tokens, parents, depths, attention_mask,
+/// retrieve_indices, scores)`.
+pub(crate) type PyTree<'py> = (
     Bound<'py, PyArray1<i64>>,
     Bound<'py, PyArray1<i64>>,
     Bound<'py, PyArray1<i64>>,

@@ -23,9 +23,7 @@ use std::time::{Duration, Instant};
 use dart_daemon::proto;
 use dart_daemon::proto::n_gram_service_client::NGramServiceClient;
 use numpy::ndarray::{Array2, ArrayView, Dimension};
-use numpy::{
-    IntoPyArray, PyArray1, PyArray2, PyReadonlyArray, PyReadonlyArray1, PyUntypedArrayMethods,
-};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -33,6 +31,8 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::Code;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
+
+use crate::pruner::PyTree;
 
 pyo3::create_exception!(
     dart_client._native,
@@ -56,17 +56,6 @@ fn status_to_py(status: &tonic::Status) -> PyErr {
     }
     status_err(status.code(), details)
 }
-
-/// A tree as `dart_client._native.Pruner.prune` returns it: `(tokens, parents, depths,
-/// attention_mask, retrieve_indices, scores)`.
-type PyTree<'py> = (
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray2<bool>>,
-    Bound<'py, PyArray2<i64>>,
-    Bound<'py, PyArray1<f64>>,
-);
 
 /// The wire tree as numpy arrays, its shapes checked (a bad one is the daemon's fault).
 fn tree_to_py(py: Python<'_>, t: proto::DraftTree) -> PyResult<PyTree<'_>> {
