@@ -138,55 +138,81 @@ def demo_main(argv: Sequence[str]) -> int:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """Build the DartModel the options describe."""
+    """Build the DartModel the command-line options describe."""
+    return build_model(
+        args.base,
+        args.head,
+        args.ngram,
+        dtype=args.dtype,
+        device=args.device,
+        template=args.template,
+        small_ngram=args.small_ngram,
+        ngram_server=args.ngram_server,
+        ar=args.ar,
+    )
+
+
+def build_model(
+    base: str | None,
+    head_dir: str | None,
+    ngram_path: str | None,
+    *,
+    dtype: str,
+    device: str = "cpu",
+    template: str = "auto",
+    small_ngram: bool = False,
+    ngram_server: str | None = None,
+    ar: bool = False,
+) -> Any:
+    """The DartModel of a target (None = embedded SmolLM2), a head directory (or "random")
+    and an n-gram (a path, "embedded", or a daemon URL in ``ngram_server``)."""
     import torch
 
     from dart_client.dart_model import DartModel, load_ngram
     from dart_client.models.head import DartHead
 
-    base = args.base
     if base is None:
         from dart_client.embedded import smollm2_gguf
 
         base = str(smollm2_gguf())
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[dtype]
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     model = DartModel.from_pretrained(
         base,
         None,
         torch_dtype=torch_dtype,
-        device_map=None if args.device == "cpu" else args.device,
+        device_map=None if device == "cpu" else device,
     )
-    if args.template == "none":
+    if template == "none":
         model.template = None
-    elif args.template != "auto":
+    elif template != "auto":
         from dart_client.templates import TEMPLATE_REGISTRY
 
-        model.template = TEMPLATE_REGISTRY[args.template]
-    if args.ar:
+        model.template = TEMPLATE_REGISTRY[template]
+    if ar:
         return model
-    if args.head is None:
+    if head_dir is None:
         raise DartError("pass --head DIR (or --head random for an untrained head), or use --ar")
-    if args.head == "random":
+    if head_dir == "random":
         head = DartHead.random_init(
             model.target.config, draft_vocab_size=min(8192, model.target.vocab_size)
         )
         print("note: an untrained random head drafts nothing useful (tau near 1)", file=sys.stderr)
     else:
-        head = DartHead.from_pretrained(args.head)
+        head = DartHead.from_pretrained(head_dir)
     ngram = None
     pruner = None
-    if args.ngram_server:
+    if ngram_server:
         from dart_client.dart_model import _remote_pruner
 
-        pruner = _remote_pruner(args.ngram_server, None)
-    elif args.ngram == "embedded":
+        pruner = _remote_pruner(ngram_server, None)
+    elif ngram_path == "embedded":
         from dart_client.embedded_ngram import ensure_ngram
         from dart_client.ngram import NGram
 
         ngram = NGram.open(str(ensure_ngram().path))
-    elif args.ngram:
-        ngram = load_ngram(args.ngram, is_small=args.small_ngram)
+    elif ngram_path:
+        ngram = load_ngram(ngram_path, is_small=small_ngram)
     else:
         raise DartError("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
     return DartModel(

@@ -104,21 +104,15 @@ def resolve_head(head: str, base: str | None, notes: list[str]) -> str:
 
 
 def load(args: argparse.Namespace, notes: list[str]) -> Any:
-    from dart_client.cli import load_model
+    from dart_client.cli import build_model
 
-    ns = argparse.Namespace(
-        base=args.base,
-        head=resolve_head(args.head, args.base, notes),
-        ngram=args.ngram,
-        small_ngram=False,
-        ngram_server=None,
+    return build_model(
+        args.base,
+        resolve_head(args.head, args.base, notes),
+        args.ngram,
         dtype=args.dtype,
         device=args.device,
-        template="auto",
-        no_thinking=False,
-        ar=False,
     )
-    return load_model(ns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

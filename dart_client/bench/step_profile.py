@@ -211,21 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         p.error("--clock cpu counts the calling thread only: use it with --threads 1")
 
-    from dart_client.cli import load_model
+    from dart_client.cli import build_model
 
-    ns = argparse.Namespace(
-        base=args.base,
-        head=args.head,
-        ngram=args.ngram,
-        small_ngram=False,
-        ngram_server=None,
-        dtype=args.dtype,
-        device="cpu",
-        template="auto",
-        no_thinking=False,
-        ar=False,
-    )
-    model = load_model(ns)
+    model = build_model(args.base, args.head, args.ngram, dtype=args.dtype)
     assert model.template is not None
     if args.clock == "cpu":
         model.target.clock = time.thread_time

@@ -193,26 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from dart_client.bench.cli import resolve_head
-    from dart_client.cli import load_model
+    from dart_client.cli import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     notes: list[str] = []
-    ns = argparse.Namespace(
-        base=args.base,
-        head=resolve_head(args.head, args.base, notes),
-        ngram=args.ngram,
-        small_ngram=False,
-        ngram_server=None,
-        dtype=args.dtype,
-        device="cpu",
-        template="auto",
-        no_thinking=False,
-        ar=False,
-    )
+    head = resolve_head(args.head, args.base, notes)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    model = load_model(ns)
+    model = build_model(args.base, head, args.ngram, dtype=args.dtype)
     app = build_app(model, max_new_tokens=args.max_new_tokens)
     print(f"dart demo: serving on http://{args.host}:{args.port}", file=sys.stderr)
     launch(app, host=args.host, port=args.port, block=True)
