@@ -95,6 +95,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking")
     g.add_argument("--ar", action="store_true", help="plain autoregressive decoding")
+    add_cpu_kernels_argument(g)
+
+
+def add_cpu_kernels_argument(g: Any) -> None:
+    """``--no-cpu-kernels`` (``args.cpu_kernels``): see :class:`TargetModel`."""
+    g.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="run the target on PyTorch's plain CPU kernels, not the decoding ones (oneDNN-"
+        "packed weights, which take a second copy of them, and small-query attention)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +161,7 @@ def load_model(args: argparse.Namespace) -> Any:
         small_ngram=args.small_ngram,
         ngram_server=args.ngram_server,
         ar=args.ar,
+        cpu_kernels=args.cpu_kernels,
     )
 
 
@@ -163,6 +176,7 @@ def build_model(
     small_ngram: bool = False,
     ngram_server: str | None = None,
     ar: bool = False,
+    cpu_kernels: bool = True,
 ) -> Any:
     """The DartModel of a target (None = embedded SmolLM2), a head directory (or "random")
     and an n-gram (a path, "embedded", or a daemon URL in ``ngram_server``)."""
@@ -182,6 +196,7 @@ def build_model(
         None,
         torch_dtype=torch_dtype,
         device_map=None if device == "cpu" else device,
+        cpu_kernels=cpu_kernels,
     )
     if template == "none":
         model.template = None

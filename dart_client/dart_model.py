@@ -111,6 +111,7 @@ class DartModel:
         template: str | ChatTemplate | None = None,
         double_final_norm: bool | None = None,
         tree_budget: int | str | None = None,
+        cpu_kernels: bool = True,
         **hf_kwargs: Any,
     ) -> DartModel:
         """Load the target (local path, hub id or a ``.gguf`` file), the head and the n-gram.
@@ -119,6 +120,8 @@ class DartModel:
         (``is_small_ngram`` picks), a reference ``.trie`` (converted once and cached), or is
         served by the n-gram daemon at ``ngram_server`` (``host:port``). ``tree_budget="auto"``
         tunes the budget now, at load time (a few seconds: see :mod:`dart_client.autotune`).
+        ``cpu_kernels``: on the CPU, run the target on the decoding kernels of
+        :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,7 +153,7 @@ class DartModel:
         elif ngram_model_name_or_path is not None:
             ngram = load_ngram(ngram_model_name_or_path, is_small=is_small_ngram)
         dart = cls(
-            TargetModel(model, tokenizer),
+            TargetModel(model, tokenizer, cpu_kernels=cpu_kernels),
             head,
             tokenizer=tokenizer,
             ngram=ngram,

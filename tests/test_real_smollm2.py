@@ -90,6 +90,26 @@ def margin_at(model: Any, ids: list[int]) -> tuple[float, float]:
     return float(top[0] - top[1]), float(top[0].abs())
 
 
+def check_near_tie(
+    model: Any, ids: list[int], got: list[int], want: list[int], dtype: torch.dtype, label: str
+) -> tuple[int, float, float] | None:
+    """None when ``got == want``; else (index, margin, resolution) of the first divergence,
+    after asserting that the target's top-2 margin there is a numerical near-tie."""
+    if got == want:
+        return None
+    i = next(
+        (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+        min(len(got), len(want)),
+    )
+    margin, scale = margin_at(model, ids + want[:i])
+    resolution = torch.finfo(dtype).eps * max(scale, 1.0)
+    assert margin <= TIE_ULPS[dtype] * resolution, (
+        f"{dtype}: {label!r} diverges at token {i} with a top-2 margin of {margin:.4f} "
+        f"(tie threshold {TIE_ULPS[dtype] * resolution:.4f}): not a numerical near-tie"
+    )
+    return i, margin, resolution
+
+
 def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
     model, tok = pair
     head = DartHead.random_init(model.config, draft_length=7, draft_vocab_size=8192, seed=0)
@@ -110,17 +130,11 @@ def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
         got = stream.result
         assert got is not None
         longest = max(longest, max(got.accept_lengths))
-        if got.tokens == want:
+        divergence = check_near_tie(model, ids, got.tokens, want, dtype, text)
+        if divergence is None:
             exact += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(got.tokens, want, strict=False)) if a != b)
-        margin, scale = margin_at(model, ids + want[:i])
-        resolution = torch.finfo(dtype).eps * max(scale, 1.0)
-        report.append((text, i, margin, resolution))
-        assert margin <= TIE_ULPS[dtype] * resolution, (
-            f"{dtype}: {text!r} diverges at token {i} with a top-2 margin of {margin:.4f} "
-            f"(tie threshold {TIE_ULPS[dtype] * resolution:.4f}): not a numerical near-tie"
-        )
+        else:
+            report.append((text, *divergence))
     dm.target.close()
     print(
         f"\nSmolLM2 {dtype}: {exact}/{len(PROMPTS)} prompts match transformers exactly; "
@@ -175,6 +189,7 @@ def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: An
         got = dart_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
         ar = ar_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
         assert max(got.tree_sizes[1:], default=1) > 1
-        matched += got.tokens == ar.tokens
+        matched += check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
     dm.target.close()
-    assert matched >= 4
+    print(f"\nSmolLM2 bf16 with the real pruner: {matched}/5 identical to AR")
+    assert matched >= 1

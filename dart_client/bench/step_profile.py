@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from dart_client.cli import add_cpu_kernels_argument
 from dart_client.generate import STAGES, GenerationResult, GenerationStream
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench"
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--tree-budget", type=int, default=None)
+    add_cpu_kernels_argument(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--clock",
@@ -213,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dart_client.cli import build_model
 
-    model = build_model(args.base, args.head, args.ngram, dtype=args.dtype)
+    model = build_model(
+        args.base, args.head, args.ngram, dtype=args.dtype, cpu_kernels=args.cpu_kernels
+    )
     assert model.template is not None
     if args.clock == "cpu":
         model.target.clock = time.thread_time
@@ -229,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         clock=args.clock,
         dtype=args.dtype,
         max_new=args.max_new,
+        cpu_kernels=args.cpu_kernels,
     )
     print(markdown(report))
     print(f"clock: {args.clock}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

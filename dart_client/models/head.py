@@ -35,6 +35,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_client.errors import CheckpointError, IncompatibleHeadError
+from dart_client.models.linear import derived_weight, project
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -230,79 +231,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float() if dtype in (torch.float16, torch.bfloat16) else x
     h = F.rms_norm(h, (h.shape[-1],), eps=eps)
     return weight * h.to(dtype)
-
-
-def project(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
-    """``x`` times the weights of ``module``'s linear layers ``names`` stacked along the
-    output dimension: one matmul for several projections (q/k/v, gate/up).
-
-    Under autograd the stack is built per call from the live parameters, so gradients reach
-    each of them. Otherwise it is built once (:func:`derived_weight`), and on the CPU kept in
-    oneDNN's blocked layout, which multiplies the few rows of a draft step about 1.5x faster
-    than the plain layout with the same result (at the cost of a second copy of the
-    weights). The ``nn.Linear`` layers stay the parameters: the checkpoint layout does not
-    change.
-    """
-
-    def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, bool]:
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        packed = None if live else _pack_for_cpu(weight)
-        return (weight, False) if packed is None else (packed, True)
-
-    weight, packed = derived_weight(module, "linear", names, build)
-    if packed and x.dtype == weight.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
-
-
-def derived_weight(
-    module: nn.Module,
-    kind: str,
-    names: tuple[str, ...],
-    build: Callable[[list[torch.Tensor], bool], Any],
-) -> Any:
-    """``build(weights, live)`` over the ``.weight`` of ``module``'s submodules ``names``.
-
-    Under autograd (a weight requires grad) it is called per use with ``live=True``, so
-    gradients flow; otherwise its result is cached on ``module`` and rebuilt only when a
-    weight changes (new storage, dtype or device, or an in-place update).
-    """
-    # The registries directly: nn.Module.__getattr__ costs microseconds per call.
-    submodules: dict[str, Any] = module._modules
-    weights: list[torch.Tensor] = [submodules[name]._parameters["weight"] for name in names]
-    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        return build(weights, True)
-    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-    cache: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = module.__dict__.setdefault(
-        "_derived_weights", {}
-    )
-    hit = cache.get((kind, names))
-    if hit is None or hit[0] != key:
-        with torch.no_grad():
-            hit = (key, build(weights, False))
-        cache[(kind, names)] = hit
-    return hit[1]
-
-
-def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered for oneDNN's CPU matmul, or None where that is not available
-    (other devices and dtypes, builds without oneDNN, CPUs it does not support)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.bfloat16, torch.float32)
-        or not torch.backends.mkldnn.is_available()
-        or not torch.backends.mkldnn.enabled
-    ):
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        probe = weight.new_ones((1, weight.shape[1]))
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return None
-    want = F.linear(probe, weight)
-    # Never trade correctness for speed: the packed product must be the plain one.
-    return packed if torch.allclose(got, want, rtol=1e-2, atol=1e-3) else None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

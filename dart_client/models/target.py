@@ -9,10 +9,16 @@ verification needs no copy of any modeling file. The taps are the inputs of 0-ba
 The KV cache is preallocated (:class:`TargetCache`): new keys/values are written in place,
 accepted tree nodes are compacted with ``index_select`` and rejected ones dropped, and it
 can never grow past its capacity.
+
+On the CPU the model runs on kernels chosen for decoding: its linear layers multiply with
+oneDNN-packed weights (:mod:`dart_client.models.linear`) and its attention computes a few
+queries over a long cache directly (:mod:`dart_client.models.attention`). Both make a
+forward cheaper, a tree's most of all.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +28,10 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dart_client.errors import UnsupportedTargetError
+from dart_client.models.attention import restore_attention, use_small_query_attention
+from dart_client.models.linear import PackReport, pack_linear_layers, unpack_linear_layers
+
+log = logging.getLogger(__name__)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -150,7 +160,14 @@ class TargetCache(Cache):
 class TargetModel:
     """A transformers causal LM wrapped for DART: taps, tree forwards, a preallocated cache."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer: Any = None, *, cpu_kernels: bool = True
+    ) -> None:
+        """Wrap ``model`` (a transformers causal LM). With ``cpu_kernels``, a model on the
+        CPU switches to the decoding kernels: oneDNN-packed linear layers in bf16/fp32
+        (:func:`pack_linear_layers`; a second copy of those weights, skipped with a log line
+        when memory is short) and :func:`small_query_attention`. The outputs are the same
+        up to floating-point rounding; :meth:`close` switches back."""
         self.model = model
         self.tokenizer = tokenizer
         config = getattr(model, "config", None)
@@ -199,6 +216,14 @@ class TargetModel:
             for slot, i in enumerate(self.tap_layers)
         ]
         self.eos_token_ids = self._eos_ids()
+        self.packing = (
+            pack_linear_layers(model) if cpu_kernels else PackReport(0, 0, "not requested")
+        )
+        if self.packing.skipped and cpu_kernels:
+            log.info("linear layers not packed: %s", self.packing.skipped)
+        #: The attention implementation the model had before :func:`use_small_query_attention`
+        #: (None: not switched).
+        self.replaced_attention = use_small_query_attention(model) if cpu_kernels else None
 
     # -- properties -------------------------------------------------------------------------
 
@@ -235,10 +260,16 @@ class TargetModel:
         return frozenset(ids)
 
     def close(self) -> None:
-        """Remove the tap hooks from the wrapped model."""
+        """Give the wrapped model back as it came: no tap hooks, its own kernels."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self.packing.layers:
+            unpack_linear_layers(self.model)
+            self.packing = PackReport(0, 0, "closed")
+        if self.replaced_attention is not None:
+            restore_attention(self.model, self.replaced_attention)
+            self.replaced_attention = None
 
     # -- forward ------------------------------------------------------------------------------
 

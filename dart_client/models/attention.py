@@ -1,0 +1,134 @@
+"""Attention for a draft tree (a few dozen queries) over a long cache, on the CPU.
+
+Verifying a tree asks attention a different question than a prompt does: a few dozen tokens
+against hundreds of cached keys. PyTorch's CPU ``scaled_dot_product_attention`` (a flash
+kernel, tiled for long query blocks) is slow at that shape: with SmolLM2-135M's 9 query /
+3 key-value heads, 33 queries over 300 keys take 659 us through transformers' SDPA path and
+over 1,000 keys 2,052 us, where two matmuls and a softmax take 373 and 1,070 us (8 queries:
+156 / 423 against 118 / 303). Over 30 layers that is 9 ms of a 60 ms tree forward.
+
+:func:`small_query_attention` computes those shapes directly, in float32 (float64 for
+float64 models), at least as exact as the flash kernel: the query heads that share a
+key/value head become extra query rows of it (no copies of K/V), the mask is broadcast over
+them. One query (transformers already packs it well), long query blocks (prompts), dropout,
+soft-capping and GPUs go to transformers' own SDPA path. It is registered with transformers'
+``AttentionInterface`` under :data:`NAME`, the extension point transformers provides, so no
+modeling file is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+NAME = "dart_small_query"
+#: Longer query blocks (prompts) go to SDPA, which wins there; so does a single query.
+MAX_QUERIES = 64
+
+
+def small_query_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query`` (b, h, n, d), ``key`` /
+    ``value`` (b, kv, L, d), ``attention_mask`` float (0 = attend) or bool (True = attend),
+    (b | 1, 1 | h, n, >= L), or None (causal when n > 1). Returns (b, n, h, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, n, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    if (
+        query.device.type != "cpu"
+        or not 1 < n <= MAX_QUERIES
+        or h % kv
+        or dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+        or kwargs.get("sliding_window") is not None
+        or (torch.is_grad_enabled() and query.requires_grad)
+    ):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    groups = h // kv
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # Query heads 0..groups-1 read K/V head 0, and so on: rows of their K/V head.
+    q = query.reshape(b, kv, groups * n, d).to(compute)
+    scores = torch.matmul(q, key.to(compute).transpose(-1, -2)).view(b, kv, groups, n, length)
+    scores.mul_(scaling if scaling is not None else d**-0.5)
+    if attention_mask is None:
+        if n > 1:
+            blocked = torch.ones((n, n), dtype=torch.bool, device=query.device).triu(1)
+            scores[..., length - n :].masked_fill_(blocked, float("-inf"))
+    else:
+        mask = attention_mask[..., :length]
+        shape = (
+            (mask.shape[0], 1, 1, n, length)
+            if mask.shape[1] == 1
+            else (mask.shape[0], kv, groups, n, length)
+        )
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask.reshape(shape), float("-inf"))
+        else:
+            scores.add_(mask.reshape(shape).to(compute))
+    probs = torch.softmax(scores, dim=-1).view(b, kv, groups * n, length)
+    out = torch.matmul(probs, value.to(compute)).view(b, h, n, d)
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def register() -> str:
+    """Make :data:`NAME` known to transformers (idempotent); returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, small_query_attention)
+    # Masks built by transformers itself (its own generate) take SDPA's form, which
+    # small_query_attention reads (and hands to SDPA for long blocks).
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+def use_small_query_attention(model: nn.Module) -> str | None:
+    """Switch ``model`` (a transformers model on the CPU) to :data:`NAME`; returns the
+    implementation it had (for :func:`restore_attention`), or None when left alone (not on
+    the CPU, or no attention implementation to switch)."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    first = next(model.parameters(), None)
+    if previous is None or first is None or first.device.type != "cpu":
+        return None
+    if previous == NAME:
+        return None
+    _set_implementation(model, register())
+    return str(previous)
+
+
+def restore_attention(model: nn.Module, previous: str) -> None:
+    """Undo :func:`use_small_query_attention`."""
+    _set_implementation(model, previous)
+
+
+def _set_implementation(model: nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:  # older transformers: the modules read the config at each call
+        model.config._attn_implementation = name

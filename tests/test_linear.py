@@ -1,0 +1,122 @@
+"""oneDNN-packed linear layers of a target: same products, reversible, guarded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_tiny_target, make_tiny_tokenizer
+from torch import nn
+
+from dart_client import DartModel, ar_generate, dart_generate
+from dart_client.models.head import DartHead
+from dart_client.models.linear import pack_linear_layers, unpack_linear_layers
+from dart_client.models.target import TargetModel
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+def linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_target_computes_what_the_plain_one_does(dtype: torch.dtype) -> None:
+    model = make_tiny_target("qwen3", dtype=dtype, seed=4)
+    ids = torch.randint(3, 300, (1, 17), generator=torch.Generator().manual_seed(0))
+    want = logits(model, ids)
+    report = pack_linear_layers(model)
+    assert report.skipped is None
+    assert report.layers == len(linears(model)) == 6 * 7 + 1
+    got = logits(model, ids)
+    # Packed copies were built and used (one per layer, cached on its parent module).
+    cached = [
+        value
+        for module in model.modules()
+        for (kind, _), (_, value) in module.__dict__.get("_derived_weights", {}).items()
+        if kind == "linear"
+    ]
+    assert len(cached) == report.layers and all(p is not None for _, p in cached)
+    tol = 0.03 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()))
+    assert unpack_linear_layers(model) == report.layers
+    assert not any("forward" in m.__dict__ for m in linears(model))
+    torch.testing.assert_close(logits(model, ids), want, rtol=0, atol=0)
+
+
+@needs_onednn
+def test_packed_layers_follow_in_place_weight_updates() -> None:
+    model = make_tiny_target("llama", dtype=torch.float32, seed=5)
+    pack_linear_layers(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = logits(model, ids)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # a stale packed copy would keep the old product
+    after = logits(model, ids)
+    torch.testing.assert_close(after, 2 * before, rtol=1e-4, atol=1e-4)
+
+
+def test_float64_and_short_memory_are_left_alone() -> None:
+    fp64 = make_tiny_target("llama", seed=6)
+    report = pack_linear_layers(fp64)
+    assert report.layers == 0 and "bf16/fp32" in (report.skipped or "")
+    assert not any("forward" in m.__dict__ for m in linears(fp64))
+    bf16 = make_tiny_target("llama", dtype=torch.bfloat16, seed=6)
+    report = pack_linear_layers(bf16, max_memory_fraction=0.0)
+    assert report.layers == 0 and report.weight_bytes > 0
+    assert "MiB" in (report.skipped or "") or "oneDNN" in (report.skipped or "")
+    assert not any("forward" in m.__dict__ for m in linears(bf16))
+
+
+def test_training_a_packed_model_still_reaches_its_weights() -> None:
+    """Under autograd the live weights are used, so gradients flow as without packing."""
+    model = make_tiny_target("llama", dtype=torch.float32, seed=7)
+    pack_linear_layers(model)
+    model(torch.tensor([[4, 5, 6]])).logits.sum().backward()
+    assert all(m.weight.grad is not None for m in linears(model))
+
+
+@needs_onednn
+def test_target_model_packs_by_default_and_close_restores() -> None:
+    model = make_tiny_target("qwen3", dtype=torch.bfloat16, seed=8)
+    target = TargetModel(model)
+    assert target.packing.layers == len(linears(model))
+    plain = TargetModel(make_tiny_target("qwen3", dtype=torch.bfloat16), cpu_kernels=False)
+    assert plain.packing.layers == 0
+    target.close()
+    assert target.packing.layers == 0
+    assert not any("forward" in m.__dict__ for m in linears(model))
+
+
+@needs_onednn
+def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
+    """Packing changes no semantics: DART and AR share the packed layers, and on an fp32
+    target (no near-ties at this scale) their greedy outputs are identical."""
+    model = make_tiny_target("llama", dtype=torch.float32, seed=9)
+    head = DartHead.random_init(model.config, draft_length=3, seed=1)
+    dm = DartModel(model, head, tokenizer=make_tiny_tokenizer())
+    assert dm.target.packing.layers > 0
+    from dart_client.verify import Tree
+
+    class Chain:
+        """The head's top-1 chain as the tree (no n-gram model needed)."""
+
+        def build(self, context: Any, rows: Any, budget: int) -> Tree:
+            return Tree.from_paths(int(context[-1]), [rows.ids[:, 0].tolist()[: max(budget, 0)]])
+
+    dm.tree_builder = Chain()
+    for seed in range(3):
+        prompt = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(seed))
+        ids = prompt.tolist()
+        got = dart_generate(dm, input_ids=ids, max_new_token_num=24)
+        want = ar_generate(dm, input_ids=ids, max_new_token_num=24)
+        assert got.tokens == want.tokens
