@@ -120,3 +120,16 @@ def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
         got = dart_generate(dm, input_ids=ids, max_new_token_num=24)
         want = ar_generate(dm, input_ids=ids, max_new_token_num=24)
         assert got.tokens == want.tokens
+
+
+def test_kernel_benchmark_times_both_kernel_sets_and_leaves_the_decoding_ones_on() -> None:
+    from dart_client.bench.kernels import markdown, measure
+
+    model = make_tiny_target("llama", dtype=torch.float32, seed=10)
+    target = TargetModel(model)
+    result = measure(target, [1, 4], context=12, repeats=2)
+    assert set(result) == {"plain", "decoding"}
+    assert all(set(v) == {1, 4} and min(v.values()) > 0 for v in result.values())
+    assert "| 4 |" in markdown(result)
+    assert target.model.config._attn_implementation == "dart_small_query"
+    assert all("forward" in m.__dict__ for m in linears(model)) == (target.packing.layers > 0)
