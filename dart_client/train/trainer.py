@@ -115,6 +115,32 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def release_free_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Windows of varying length allocate activations of varying size; glibc keeps the freed
+    chunks in its arenas, so without this a long CPU run's RSS grew from 2 to 5.4 GB in two
+    hours without holding more live data.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
+
+
 class _StopFlag:
     """SIGTERM/SIGINT end the loop after the current step (the caller then checkpoints),
     instead of killing the run mid-step and losing up to a checkpoint interval of work."""
@@ -371,6 +397,7 @@ class Trainer:
                     )
                     window_stats.zero_()
                     window_loss, window_steps, window_t0 = 0.0, 0, time.perf_counter()
+                    release_free_heap()
                 due_time = time.monotonic() - last_ckpt >= cfg.checkpoint_every_s
                 due_steps = (
                     cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0
