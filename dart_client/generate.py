@@ -232,6 +232,24 @@ def ar_generate(
     )
 
 
+def request_kwargs(ids: list[int], settings: Any, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`dart_generate` / :func:`ar_generate` for prompt ``ids``
+    from any settings object with ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
+    and ``seed`` (the benchmark's and the demo's), with a cache just large enough;
+    ``overrides`` replace or add arguments."""
+    kwargs: dict[str, Any] = dict(
+        input_ids=ids,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        max_new_token_num=settings.max_new_tokens,
+        max_length=len(ids) + settings.max_new_tokens + 1,
+        seed=settings.seed,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
 def _generate(
     model: DartModel,
     mode: str,

@@ -332,19 +332,16 @@ class DartLoopMethod(Method):
         self.tree_budget = tree_budget
 
     def run(self, ids: list[int], settings: Settings, seed: int) -> Run:
-        from dart_client.generate import GenerationResult, ar_generate, dart_generate
+        from dart_client.generate import (
+            GenerationResult,
+            ar_generate,
+            dart_generate,
+            request_kwargs,
+        )
 
         fn = ar_generate if self.name == "ar" else dart_generate
         result = fn(
-            self.model,
-            input_ids=ids,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
-            max_new_token_num=settings.max_new_tokens,
-            max_length=len(ids) + settings.max_new_tokens + 1,
-            tree_budget=self.tree_budget,
-            seed=seed,
+            self.model, **request_kwargs(ids, settings, tree_budget=self.tree_budget, seed=seed)
         )
         assert isinstance(result, GenerationResult)
         return Run(

@@ -66,23 +66,14 @@ def race(
     model: DartModel, ids: list[int], settings: RaceSettings, min_interval: float = 0.05
 ) -> Iterator[tuple[Side, Side]]:
     """Yields (ar, dart) after steps (at most every ``min_interval`` s), and once at the end."""
-    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.generate import ar_generate, dart_generate, request_kwargs
 
     budget = settings.tree_budget
     if budget == "auto":
         from dart_client.autotune import auto_budget
 
         budget = auto_budget(model)
-    kwargs: dict[str, Any] = dict(
-        input_ids=ids,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        max_new_token_num=settings.max_new_tokens,
-        max_length=len(ids) + settings.max_new_tokens + 1,
-        seed=settings.seed,
-        stream=True,
-    )
+    kwargs = request_kwargs(ids, settings, stream=True)
     streams = {
         "ar": ar_generate(model, **kwargs),
         "dart": dart_generate(model, tree_budget=budget, **kwargs),
