@@ -23,6 +23,7 @@ from conftest import sharegpt_texts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dart_client import _native
 from dart_client.ngram import NGram, TokenizerMismatchError, TokenOutOfVocabError, connect
 from dart_client.remote import (
     DaemonError,
@@ -228,6 +229,42 @@ def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NG
         assert len(got) == len(want) == 16
         for a, b in zip(got, want, strict=True):
             assert_same_tree(a, b)
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.0005, 0.05])
+def test_answers_are_the_same_whether_a_call_polls_or_sleeps(
+    daemon: Daemon, local: NGram, spin: float
+) -> None:
+    """A call polls for its answer for up to `spin` seconds, then sleeps: a prune (hundreds of
+    microseconds) ends within the longest spin, past the shortest, and at once sleeps with 0;
+    a deadline shorter than the spin still fires."""
+    from dart_client.pruner import Pruner, PrunerConfig
+
+    rng = np.random.default_rng(11)
+    local_pruner = Pruner(local, PrunerConfig())
+    with connect(daemon.url, timeout=30, spin=spin) as r:
+        assert r.spin == spin
+        pruner = r.pruner(PrunerConfig())
+        for _ in range(20):
+            d = random_draft(local, rng)
+            assert_same_tree(pruner.prune(*d), local_pruner.prune(*d))
+        assert r.health()
+        n = 500
+        ids = rng.integers(0, local.vocab_size - 25, size=(n, 8, 1)) + np.arange(25)
+        probs = np.full(ids.shape, 0.04, dtype=np.float32)
+        r.timeout = 0.001
+        with pytest.raises(DaemonUnavailableError, match="no answer within"):
+            pruner.prune_batch([[1, 2]] * n, ids, probs)
+
+
+@pytest.mark.parametrize("spin", [-0.001, 1.5, True, float("nan"), "0"])
+def test_a_bad_spin_is_refused(daemon: Daemon, spin: object) -> None:
+    with pytest.raises(ValueError, match="spin"):
+        connect(daemon.url, timeout=30, spin=spin)  # type: ignore[arg-type]
+    target = daemon.url.removeprefix("grpc://")
+    if isinstance(spin, float) and spin == spin:
+        with pytest.raises(ValueError, match="spin"):
+            _native.DaemonClient(target, tls=False, timeout=30.0, spin=spin)
 
 
 def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: NGram) -> None:
