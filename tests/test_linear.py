@@ -34,6 +34,7 @@ def test_packed_target_computes_what_the_plain_one_does(dtype: torch.dtype) -> N
     model = make_tiny_target("qwen3", dtype=dtype, seed=4)
     ids = torch.randint(3, 300, (1, 17), generator=torch.Generator().manual_seed(0))
     want = logits(model, ids)
+    want_one = logits(model, ids[:, :1])
     report = pack_linear_layers(model)
     assert report.skipped is None
     assert report.layers == len(linears(model)) == 6 * 7 + 1
@@ -46,6 +47,8 @@ def test_packed_target_computes_what_the_plain_one_does(dtype: torch.dtype) -> N
         if kind == "linear"
     ]
     assert len(cached) == report.layers and all(p is not None for _, p in cached)
+    # One row (a decoding step) keeps PyTorch's kernel: bit-identical.
+    assert torch.equal(logits(model, ids[:, :1]), want_one)
     tol = 0.03 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()))
     assert unpack_linear_layers(model) == report.layers

@@ -48,6 +48,11 @@ def project(
     change.
     """
 
+    if len(names) == 1 and x.numel() == x.shape[-1]:
+        # One row (a decoding step): the plain kernel reads the weight as fast, and its call
+        # costs a few microseconds less than oneDNN's (x 211 layers of SmolLM2: 9% per token).
+        return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
+
     def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         return weight, None if live else pack_for_cpu(weight)
