@@ -64,13 +64,44 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scores, k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1.0 - params.top_p)
-        remove_sorted[..., -1:] = False  # the most likely token always survives
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        scores = scores.masked_fill(remove, -math.inf)
+        scores = top_p_filter(scores, params.top_p)
     return scores
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float, probe: int = 256) -> torch.Tensor:
+    """``scores`` with every token outside the nucleus set to -inf (transformers' rule: drop
+    the tokens whose ascending cumulative probability is ``<= 1 - top_p``, keep the top one).
+
+    Sorting a whole vocabulary per row costs milliseconds (13% of a sampled SmolLM2 step).
+    Usually the nucleus lies within the ``probe`` most likely tokens: when the probability
+    left outside them is itself ``<= 1 - top_p``, every token outside is dropped by the rule
+    and the cumulative sums of those inside are their own suffix sums plus that remainder, so
+    the rule is applied to them alone. Rows where that does not hold take the full sort.
+    """
+    vocab = scores.shape[-1]
+    if 4 * probe >= vocab or scores.dim() == 0:
+        return _top_p_by_sort(scores, top_p)
+    top = torch.topk(scores, probe, dim=-1)  # descending
+    probs = (top.values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    outside = (1.0 - probs.sum(dim=-1, keepdim=True)).clamp_min(0.0)
+    ascending = probs.flip(-1).cumsum(-1).flip(-1) + outside
+    remove = ascending <= 1.0 - top_p
+    remove[..., :1] = False  # the most likely token always survives
+    kept = top.values.masked_fill(remove, -math.inf)
+    out = torch.full_like(scores, -math.inf).scatter(-1, top.indices, kept)
+    wide = (outside > 1.0 - top_p).squeeze(-1)
+    if bool(wide.any()):  # a nucleus wider than the probe: those rows take the full sort
+        out[wide] = _top_p_by_sort(scores[wide], top_p)
+    return out
+
+
+def _top_p_by_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1.0 - top_p)
+    remove_sorted[..., -1:] = False  # the most likely token always survives
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return scores.masked_fill(remove, -math.inf)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -16,7 +16,14 @@ from transformers.generation.logits_process import (
 )
 
 from dart_client.errors import InvalidArgumentError, InvalidTypeError
-from dart_client.sampling import SamplingParams, make_generator, sample, target_probs, warp_logits
+from dart_client.sampling import (
+    SamplingParams,
+    make_generator,
+    sample,
+    target_probs,
+    top_p_filter,
+    warp_logits,
+)
 
 
 def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -102,3 +109,32 @@ def test_greedy_has_no_distribution() -> None:
         warp_logits(torch.zeros(1, 3), SamplingParams())
     with pytest.raises(InvalidTypeError, match="seed"):
         make_generator("1")  # type: ignore[arg-type]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+    peak=st.floats(0.0, 25.0),
+    spread=st.integers(1, 300),
+    top_p=st.floats(0.05, 0.999),
+    temperature=st.floats(0.3, 1.5),
+)
+def test_top_p_over_a_large_vocabulary_equals_transformers(
+    rows: int, seed: int, peak: float, spread: int, top_p: float, temperature: float
+) -> None:
+    """A vocabulary large enough for the probe of the likeliest tokens: nuclei inside it
+    (peaked rows) and wider than it (flat rows, the full sort) both give transformers' set."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, 4096, generator=g, dtype=torch.float64) * 2
+    boosted = torch.randint(0, 4096, (rows, spread), generator=g)
+    logits.scatter_add_(1, boosted, torch.full((rows, spread), peak, dtype=torch.float64))
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    ours = warp_logits(logits, params)
+    theirs = hf_warp(logits.clone(), params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    finite = ~torch.isinf(ours)
+    torch.testing.assert_close(ours[finite], theirs[finite])
+    # A small probe (rows whose nucleus is wider fall back) gives the full sort's answer.
+    by_probe = top_p_filter(logits, top_p, probe=64)
+    assert torch.equal(by_probe, top_p_filter(logits, top_p, probe=4096))
