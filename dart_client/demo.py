@@ -73,6 +73,7 @@ DEMO_PROMPTS = [
 def generation_demo(max_new_tokens: int, threads: int | None) -> None:
     import torch
 
+    from dart_client.autotune import auto_budget
     from dart_client.dart_model import DartModel
     from dart_client.generate import ar_generate, dart_generate
     from dart_client.ngram import NGram
@@ -87,10 +88,14 @@ def generation_demo(max_new_tokens: int, threads: int | None) -> None:
         tokenizer=model.tokenizer,
         ngram=NGram.open(ensure_ngram().path),
         template=model.template,
+        tree_budget="auto",
     )
+    # The tree size that is fastest on this machine (a CPU affords far fewer nodes than a GPU).
+    budget = auto_budget(dart)
     print(
         f"\nSmolLM2-135M-Instruct bf16 on CPU, head {head.name}, greedy, "
-        f"{max_new_tokens} new tokens per prompt"
+        f"{max_new_tokens} new tokens per prompt; tree of {budget} draft nodes, auto-tuned in "
+        f"{dart.tree_tuning.seconds:.1f} s"
     )
     # One short warm-up of each, so first-call costs don't count.
     for generate in (ar_generate, dart_generate):
