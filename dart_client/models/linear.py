@@ -4,10 +4,11 @@ PyTorch's plain ``F.linear`` on the CPU multiplies a few rows (a draft step, a t
 dozen nodes) much slower per weight byte than one row, so a tree forward looked 1.5x as
 expensive as an autoregressive one already at 2 tokens. oneDNN's prepacked weights close
 most of that gap (the same kernels IPEX and vLLM's CPU backend use): measured on SmolLM2-135M
-in bf16 on one thread, a forward over 2 / 8 / 16 tokens costs 1.09x / 1.33x / 1.68x one token
-instead of 1.5x / 1.62x / 2.0x, and in fp32 the single-token forward itself drops from 43 to
-27 ms. The packed copy lives beside the parameters (the checkpoint layout never changes) and
-is rebuilt when a weight changes.
+on one thread (with small-query attention, `python -m dart_client.bench.kernels`), a bf16
+forward over 2 / 8 / 16 tokens costs 1.09x / 1.38x / 1.75x one token instead of 1.52x / 1.61x /
+2.16x, an fp32 one over 8 tokens 1.99x instead of 3.40x. A single row keeps PyTorch's kernel,
+which is as fast there. The packed copy lives beside the parameters (the checkpoint layout
+never changes) and is rebuilt when a weight changes.
 
 :func:`project` is the matmul of the DART head (several projections stacked into one);
 :func:`pack_linear_layers` makes every ``nn.Linear`` of a target model use it.
