@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -267,6 +267,25 @@ def test_a_bad_spin_is_refused(daemon: Daemon, spin: object) -> None:
             _native.DaemonClient(target, tls=False, timeout=30.0, spin=spin)
 
 
+def run_clients(client: Callable[[int], None], seeds: int) -> None:
+    """``client(seed)`` in one thread per seed; any failure is re-raised here, a hang fails."""
+    errors: list[BaseException] = []
+
+    def guarded(seed: int) -> None:
+        try:
+            client(seed)
+        except BaseException as err:  # collected and re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(s,)) for s in range(seeds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not errors, errors
+
+
 def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: NGram) -> None:
     from dart_client.pruner import Pruner, PrunerConfig
 
@@ -274,29 +293,19 @@ def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: N
     drafts = [random_draft(local, rng) for _ in range(40)]
     local_pruner = Pruner(local, PrunerConfig())
     expected = [local_pruner.prune(*d) for d in drafts]
-    errors: list[BaseException] = []
 
     def client(seed: int) -> None:
-        try:
-            with connect(daemon.url, timeout=30) as r:
-                pruner = r.pruner(PrunerConfig())
-                order = np.random.default_rng(seed).permutation(len(drafts))
-                for i in order:
-                    assert_same_tree(pruner.prune(*drafts[i]), expected[i])
-                    ctx = drafts[i][0]
-                    np.testing.assert_array_equal(
-                        r.prob(ctx, drafts[i][1][0])[0], local.prob(ctx, drafts[i][1][0])[0]
-                    )
-        except BaseException as err:  # collected and re-raised in the main thread
-            errors.append(err)
+        with connect(daemon.url, timeout=30) as r:
+            pruner = r.pruner(PrunerConfig())
+            order = np.random.default_rng(seed).permutation(len(drafts))
+            for i in order:
+                assert_same_tree(pruner.prune(*drafts[i]), expected[i])
+                ctx = drafts[i][0]
+                np.testing.assert_array_equal(
+                    r.prob(ctx, drafts[i][1][0])[0], local.prob(ctx, drafts[i][1][0])[0]
+                )
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a client hung"
-    assert not errors, errors
+    run_clients(client, 8)
 
 
 def test_one_client_shared_by_threads_gets_correct_answers(
@@ -309,26 +318,14 @@ def test_one_client_shared_by_threads_gets_correct_answers(
     local_pruner = Pruner(local, PrunerConfig())
     expected = [local_pruner.prune(*d) for d in drafts]
     pruner = remote.pruner(PrunerConfig())
-    errors: list[BaseException] = []
 
     def client(seed: int) -> None:
-        try:
-            for i in np.random.default_rng(seed).permutation(len(drafts)):
-                assert_same_tree(pruner.prune(*drafts[i]), expected[i])
-                ctx = drafts[i][0]
-                got = remote.top_k(ctx, 5)
-                want = local.top_k(ctx, 5)
-                np.testing.assert_array_equal(got[0], want[0])
-        except BaseException as err:  # collected and re-raised in the main thread
-            errors.append(err)
+        for i in np.random.default_rng(seed).permutation(len(drafts)):
+            assert_same_tree(pruner.prune(*drafts[i]), expected[i])
+            ctx = drafts[i][0]
+            np.testing.assert_array_equal(remote.top_k(ctx, 5)[0], local.top_k(ctx, 5)[0])
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a client hung"
-    assert not errors, errors
+    run_clients(client, 6)
 
 
 # -- errors -----------------------------------------------------------------------------------
