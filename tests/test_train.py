@@ -515,6 +515,22 @@ def test_export_bf16_is_small_and_loads(tmp_path: Path) -> None:
     assert torch.equal(head.fc.weight.detach().float(), want)
 
 
+def test_a_head_continued_on_the_same_data_reports_its_vocabulary_coverage(
+    tmp_path: Path,
+) -> None:
+    from dart_client.models.head import DartHead
+
+    data = tiny_data()
+    first = Trainer(tiny_config(tmp_path / "a", total_steps=1), tiny_target(torch.float32), data)
+    assert 0.0 < first.vocab_coverage <= 1.0
+    out = first.export(tmp_path / "h", dtype="fp32")
+    head = DartHead.from_pretrained(out)
+    again = Trainer(
+        tiny_config(tmp_path / "b", total_steps=1), tiny_target(torch.float32), data, head=head
+    )
+    assert again.vocab_coverage == pytest.approx(first.vocab_coverage)
+
+
 # -- torchrun ----------------------------------------------------------------------
 
 

@@ -220,8 +220,8 @@ class Trainer:
         self.data = train_set
         self.out = Path(config.output_dir)
         vocab_size = self.target.get_input_embeddings().weight.shape[0]
+        counts = token_counts((train_set[i] for i in range(len(train_set))), vocab_size)
         if head is None:
-            counts = token_counts((train_set[i] for i in range(len(train_set))), vocab_size)
             size = min(config.draft_vocab_size, vocab_size)
             ids, _, _ = build_draft_vocab(counts, size, always=always_in_vocab)
             self.vocab_coverage = coverage(counts, ids)
@@ -237,8 +237,8 @@ class Trainer:
                 # head then begins from the target's own reading of a hidden state.
                 out_w = self.target.get_output_embeddings().weight
                 head.lm_head.weight.copy_(out_w[ids].to(head.lm_head.weight.dtype))
-        else:
-            self.vocab_coverage = float("nan")
+        else:  # an inherited vocabulary: how much of this data it covers
+            self.vocab_coverage = coverage(counts, head.draft_to_target.cpu())
         if head.config.draft_length != config.draft_length:
             raise TrainError(
                 f"head has draft_length {head.config.draft_length}, config {config.draft_length}"
