@@ -24,20 +24,7 @@ from typing import Any
 
 import torch
 
-from dart_client.models.attention import restore_attention, use_small_query_attention
-from dart_client.models.linear import pack_linear_layers, unpack_linear_layers
 from dart_client.models.target import TargetModel
-
-
-def set_kernels(target: TargetModel, decoding: bool) -> None:
-    """Switch ``target`` between the decoding kernels and PyTorch's plain ones."""
-    if decoding:
-        pack_linear_layers(target.model)
-        use_small_query_attention(target.model)
-    else:
-        unpack_linear_layers(target.model)
-        if target.replaced_attention is not None:
-            restore_attention(target.model, target.replaced_attention)
 
 
 def forward_ms(target: TargetModel, n: int, context: int, seed: int) -> float:
@@ -62,14 +49,14 @@ def measure(
     interleaved (after one warm-up forward of each)."""
     times: dict[str, dict[int, list[float]]] = {"plain": {}, "decoding": {}}
     for kind in times:
-        set_kernels(target, kind == "decoding")
+        target.set_cpu_kernels(kind == "decoding")
         forward_ms(target, max(sizes), context, seed=0)
     for r in range(repeats):
         for n in sizes:
             for kind in ("plain", "decoding") if r % 2 == 0 else ("decoding", "plain"):
-                set_kernels(target, kind == "decoding")
+                target.set_cpu_kernels(kind == "decoding")
                 times[kind].setdefault(n, []).append(forward_ms(target, n, context, seed=r))
-    set_kernels(target, True)
+    target.set_cpu_kernels(True)
     return {k: {n: statistics.median(v) for n, v in d.items()} for k, d in times.items()}
 
 

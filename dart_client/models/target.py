@@ -216,14 +216,12 @@ class TargetModel:
             for slot, i in enumerate(self.tap_layers)
         ]
         self.eos_token_ids = self._eos_ids()
-        self.packing = (
-            pack_linear_layers(model) if cpu_kernels else PackReport(0, 0, "not requested")
-        )
-        if self.packing.skipped and cpu_kernels:
-            log.info("linear layers not packed: %s", self.packing.skipped)
+        self.packing = PackReport(0, 0, "not requested")
         #: The attention implementation the model had before :func:`use_small_query_attention`
         #: (None: not switched).
-        self.replaced_attention = use_small_query_attention(model) if cpu_kernels else None
+        self.replaced_attention: str | None = None
+        if cpu_kernels:
+            self.set_cpu_kernels(True)
 
     # -- properties -------------------------------------------------------------------------
 
@@ -264,9 +262,22 @@ class TargetModel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.set_cpu_kernels(False)
+
+    def set_cpu_kernels(self, enabled: bool) -> None:
+        """Switch the model to the CPU decoding kernels (packed linear layers, small-query
+        attention) or back to its own; a no-op for what is already in that state."""
+        if enabled:
+            if not self.packing.layers:
+                self.packing = pack_linear_layers(self.model)
+                if self.packing.skipped:
+                    log.info("linear layers not packed: %s", self.packing.skipped)
+            if self.replaced_attention is None:
+                self.replaced_attention = use_small_query_attention(self.model)
+            return
         if self.packing.layers:
             unpack_linear_layers(self.model)
-            self.packing = PackReport(0, 0, "closed")
+            self.packing = PackReport(0, 0, "switched off")
         if self.replaced_attention is not None:
             restore_attention(self.model, self.replaced_attention)
             self.replaced_attention = None
