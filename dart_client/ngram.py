@@ -68,15 +68,23 @@ class NGram(_native.NGram):
         populate: bool = False,
         lock: bool = False,
         huge_pages: bool = False,
+        in_memory: bool = False,
     ) -> NGram:
         """Maps a model file and checks its header (O(1), no RAM beyond pages touched).
 
         ``verify`` also checks every section checksum and invariant (reads the whole file);
         ``populate`` reads it into the page cache now; ``lock`` pins it in RAM (mlock);
-        ``huge_pages`` advises transparent huge pages.
+        ``huge_pages`` advises transparent huge pages; ``in_memory`` copies the file into
+        anonymous memory on huge pages instead of mapping it (RAM for the whole model; random
+        lookups then rarely miss the TLB, which makes a prune faster when caches are cold).
         """
         return cls(
-            os.fspath(path), verify=verify, populate=populate, lock=lock, huge_pages=huge_pages
+            os.fspath(path),
+            verify=verify,
+            populate=populate,
+            lock=lock,
+            huge_pages=huge_pages,
+            in_memory=in_memory,
         )
 
     def prob(

@@ -372,6 +372,13 @@ def test_greedy_token_breaks_ties_at_the_first_index() -> None:
     big[[100, 3000]] = 10.0
     assert greedy_token(big) == 100
     assert greedy_token(big.double()) == 100
+    # The same rule as torch's argmax for every dtype, strided rows, NaN (the first wins).
+    grid = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
+    grid[5, 7] = grid[9, 7] = float("nan")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for row in (grid[3].to(dtype), grid[:, 7].to(dtype), grid[:, 2].to(dtype)[::2]):
+            assert greedy_token(row) == int(row.float().argmax())
+    assert greedy_token(grid[:, 7]) == 5
 
 
 # ---- sampling losslessness -------------------------------------------------------------

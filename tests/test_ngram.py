@@ -71,10 +71,11 @@ def write(
 DOCS = [[1, 2, 3, 1, 2, 4, 1, 2, 3, 5], [2, 3, 1, 2, 3, 6, 6, 1], [1, 2, 6, 1, 2, 3]]
 
 
-@pytest.fixture
-def small(tmp_path: Path) -> tuple[NGram, Counter[tuple[int, ...]]]:
+@pytest.fixture(params=[False, True], ids=["mapped", "in_memory"])
+def small(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[NGram, Counter[tuple[int, ...]]]:
+    """The model mapped from its file, and copied into anonymous memory: same answers."""
     path, counts = write(tmp_path, DOCS, 3, 8)
-    return NGram.open(path, verify=True), counts
+    return NGram.open(path, verify=True, in_memory=request.param), counts
 
 
 def test_attributes_and_info(small: tuple[NGram, Counter[tuple[int, ...]]]) -> None:
@@ -176,8 +177,9 @@ def test_bad_files(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ngram"
     for cut in (0, 5, 50, 200, len(data) - 1):
         bad.write_bytes(data[:cut])
-        with pytest.raises(CorruptModelError, match=r"bad\.ngram"):
-            NGram.open(bad)
+        for in_memory in (False, True):
+            with pytest.raises(CorruptModelError, match=r"bad\.ngram"):
+                NGram.open(bad, in_memory=in_memory)
     bad.write_bytes(b"GGUF" + data[4:])
     with pytest.raises(CorruptModelError, match="not a DART n-gram model"):
         NGram.open(bad)
@@ -187,8 +189,11 @@ def test_bad_files(tmp_path: Path) -> None:
     NGram.open(bad)  # O(1) open does not scan the data ...
     with pytest.raises(CorruptModelError, match="checksum"):
         NGram.open(bad, verify=True)  # ... verify does
-    with pytest.raises(NGramError, match=r"missing\.ngram"):
-        NGram.open(tmp_path / "missing.ngram")
+    with pytest.raises(CorruptModelError, match="checksum"):
+        NGram.open(bad, verify=True, in_memory=True)
+    for in_memory in (False, True):
+        with pytest.raises(NGramError, match=r"missing\.ngram"):
+            NGram.open(tmp_path / "missing.ngram", in_memory=in_memory)
     with pytest.raises(NGramError, match="prefix"):
         NGram.write_counts(tmp_path / "x.ngram", {(1,): 1, (1, 2, 3): 1}, order=3, vocab_size=8)
     assert not (tmp_path / "x.ngram").exists()

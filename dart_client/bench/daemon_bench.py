@@ -1,7 +1,7 @@
 """The n-gram daemon against the in-process pruner, side by side in one run.
 
     python -m dart_client.bench.daemon_bench --model MODEL.ngram [--requests 2000]
-        [--seconds 3] [--clients 1 4 16] [--threads 2]
+        [--seconds 3] [--clients 1 4 16] [--threads 2] [--busy-poll-us 2000] [--in-memory]
 
 Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the same draft
 requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
@@ -12,6 +12,11 @@ requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
   process; and the round trip of an empty call (a health check), the transport's own floor;
 * throughput: prunes per second with 1, 4 and 16 concurrent clients, each client its own
   process (as GPU workers are), remote and in process.
+
+``--busy-poll-us`` starts the daemon busy-polling (``dart-ngram serve --busy-poll-us``: one
+serving thread that keeps reading its sockets that long after each request instead of
+sleeping); ``--in-memory`` opens the model in anonymous memory on huge pages, in the daemon
+and in process alike.
 
 Drafts look like the head's: each level's top-k ids are the model's own best continuations of
 a context drawn from the model (so the n-gram lookups hit), topped up with random ids, with
@@ -101,7 +106,7 @@ def make_drafts(model_path: str, n: int, levels: int, k: int, seed: int) -> list
     return drafts
 
 
-def make_pruner(kind: str, model_path: str, url: str) -> Any:
+def make_pruner(kind: str, model_path: str, url: str, in_memory: bool = False) -> Any:
     from dart_client.pruner import PrunerConfig
 
     if kind.startswith("remote"):
@@ -112,7 +117,7 @@ def make_pruner(kind: str, model_path: str, url: str) -> Any:
     from dart_client.ngram import NGram
     from dart_client.pruner import Pruner
 
-    return Pruner(NGram.open(model_path), PrunerConfig())
+    return Pruner(NGram.open(model_path, in_memory=in_memory), PrunerConfig())
 
 
 def latency(
@@ -165,8 +170,9 @@ def _client(
     seconds: float,
     barrier: Any,
     out: Any,
+    in_memory: bool,
 ) -> None:
-    pruner = make_pruner(kind, model_path, url)
+    pruner = make_pruner(kind, model_path, url, in_memory)
     for d in drafts[:50]:
         pruner.prune(d.context, d.topk_ids, d.topk_probs)
     barrier.wait()
@@ -183,7 +189,13 @@ def _client(
 
 
 def throughput(
-    kind: str, model_path: str, url: str, drafts: list[Draft], clients: int, seconds: float
+    kind: str,
+    model_path: str,
+    url: str,
+    drafts: list[Draft],
+    clients: int,
+    seconds: float,
+    in_memory: bool = False,
 ) -> float:
     """Prunes per second summed over ``clients`` processes running for ``seconds``."""
     ctx = mp.get_context("spawn")
@@ -192,7 +204,16 @@ def throughput(
     procs = [
         ctx.Process(
             target=_client,
-            args=(kind, model_path, url, drafts[i::clients] or drafts, seconds, barrier, out),
+            args=(
+                kind,
+                model_path,
+                url,
+                drafts[i::clients] or drafts,
+                seconds,
+                barrier,
+                out,
+                in_memory,
+            ),
         )
         for i in range(clients)
     ]
@@ -215,6 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", type=int, default=8)
     ap.add_argument("--k", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=0,
+        help="daemon --busy-poll-us (0: the daemon sleeps between requests)",
+    )
+    ap.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="open the model in anonymous memory on huge pages (daemon and in process)",
+    )
     args = ap.parse_args(argv)
 
     binary = find_binary()
@@ -230,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.busy_poll_us:
+        cmd += ["--busy-poll-us", str(args.busy_poll_us)]
+    if args.in_memory:
+        cmd += ["--in-memory"]
     daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         import json
@@ -253,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
 
         rows = []
-        pruners = {kind: make_pruner(kind, args.model, url) for kind in (*KINDS, SPIN_KIND)}
+        pruners = {
+            kind: make_pruner(kind, args.model, url, args.in_memory) for kind in (*KINDS, SPIN_KIND)
+        }
         lat = latency(pruners, drafts)
         empty = empty_call_latency(pruners["remote"].ngram, args.requests)
         empty_spin = empty_call_latency(pruners[SPIN_KIND].ngram, args.requests)
@@ -263,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             for c in args.clients:
                 for kind in KINDS:
-                    t = throughput(kind, args.model, url, drafts, c, args.seconds)
+                    t = throughput(kind, args.model, url, drafts, c, args.seconds, args.in_memory)
                     tput[(kind, c)] = max(t, tput.get((kind, c), 0.0))
         for kind in (KINDS[0], SPIN_KIND, *KINDS[1:]):
             p50, p99, _nodes = lat[kind]
@@ -277,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\nPrune requests: k = {args.k}, {args.levels} levels, beam 20, 60 nodes "
             f"(trees of {lat['remote'][2]} nodes); model {args.model}; "
             f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
-            f"daemon --threads {args.threads or 'default'}; clients are processes.\n"
+            f"daemon --threads {args.threads or 'default'}, --busy-poll-us "
+            f"{args.busy_poll_us}{', --in-memory' if args.in_memory else ''}; clients are "
+            "processes.\n"
         )
         header = ["backend", "p50 (us)", "p99 (us)"] + [
             f"{c} client{'s' if c > 1 else ''} (prunes/s)" for c in args.clients

@@ -45,9 +45,19 @@ pub struct Args {
     /// Advise transparent huge pages for the mapping.
     #[arg(long)]
     huge_pages: bool,
+    /// Copy the model into anonymous memory on huge pages instead of mapping the file (RAM
+    /// for the whole model, per daemon; faster lookups when caches are cold).
+    #[arg(long, conflicts_with_all = ["populate", "huge_pages"])]
+    in_memory: bool,
     /// Check every section's checksum before serving (reads the whole file).
     #[arg(long)]
     verify: bool,
+    /// After each request, keep polling the sockets this many microseconds before sleeping:
+    /// saves the wake-up of an idle CPU (tens of microseconds on many VMs) on every request of
+    /// a decode loop, at the price of a busy core while requests keep coming. Serves on one
+    /// thread (--threads then sizes only the pool for batched requests). 0 = off.
+    #[arg(long, default_value_t = 0, value_name = "MICROS")]
+    busy_poll_us: u64,
     /// Seconds a shutdown waits for requests in flight.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     shutdown_grace: f64,
@@ -98,6 +108,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             populate: args.populate,
             lock: args.lock,
             huge_pages: args.huge_pages,
+            in_memory: args.in_memory,
         },
         placement,
         threads: args.threads,
@@ -107,6 +118,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             max_concurrent: args.max_concurrent,
             metrics_listen: args.metrics_listen,
             shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+            busy_poll: Duration::from_micros(args.busy_poll_us),
             ..ServeOptions::default()
         },
         log_format: match args.log_format {

@@ -20,19 +20,27 @@ use http::{HeaderValue, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use tower::{Layer, Service};
 
+use crate::busy_poll::Activity;
 use crate::metrics::{Metrics, RequestGuard, METHODS};
 
 #[derive(Clone)]
 pub struct ObserveLayer {
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
+    activity: Option<Arc<Activity>>,
 }
 
 impl ObserveLayer {
-    pub fn new(metrics: Arc<Metrics>, max_request_bytes: usize) -> Self {
+    /// `activity`: told of every request when the daemon busy-polls.
+    pub fn new(
+        metrics: Arc<Metrics>,
+        max_request_bytes: usize,
+        activity: Option<Arc<Activity>>,
+    ) -> Self {
         ObserveLayer {
             metrics,
             max_request_bytes,
+            activity,
         }
     }
 }
@@ -45,6 +53,7 @@ impl<S> Layer<S> for ObserveLayer {
             inner,
             metrics: Arc::clone(&self.metrics),
             max_request_bytes: self.max_request_bytes,
+            activity: self.activity.clone(),
         }
     }
 }
@@ -54,6 +63,7 @@ pub struct Observe<S> {
     inner: S,
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
+    activity: Option<Arc<Activity>>,
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Observe<S>
@@ -71,6 +81,9 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        if let Some(activity) = &self.activity {
+            activity.touch();
+        }
         let method = Metrics::method_index(req.uri().path());
         let mut guard = self.metrics.start(method);
         let limit = self.max_request_bytes;

@@ -9,6 +9,7 @@
 //! * [`numa`]: pinning threads and memory to a NUMA node.
 //! * [`run`]: the whole `dart-ngram serve` process.
 
+pub mod busy_poll;
 pub mod error;
 pub mod layer;
 pub mod linger;
@@ -120,13 +121,22 @@ pub fn run(config: DaemonConfig) -> Result<()> {
         bytes = info.bytes,
         populate = config.open.populate,
         lock = config.open.lock,
+        in_memory = config.open.in_memory,
         open_ms = started.elapsed().as_secs_f64() * 1e3,
         "model opened"
     );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name("dart-grpc")
+    // Busy polling needs the thread that polls to own the sockets: one serving thread then
+    // (the rayon pool still spreads large batches over `threads`).
+    let busy_poll = config.serve.busy_poll;
+    let mut builder = if busy_poll.is_zero() {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads).thread_name("dart-grpc");
+        b
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    let runtime = builder
         .enable_all()
         .build()
         .map_err(|source| DaemonError::Io {
@@ -152,6 +162,8 @@ pub fn run(config: DaemonConfig) -> Result<()> {
             %addr,
             metrics = %metrics_addr,
             threads,
+            serving_threads = if busy_poll.is_zero() { threads } else { 1 },
+            busy_poll_us = busy_poll.as_micros() as u64,
             max_request_bytes = config.serve.max_request_bytes,
             max_concurrent = config.serve.max_concurrent,
             "listening"

@@ -39,6 +39,9 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// The pruner configuration requests without overrides get.
     pub pruner: PrunerConfig,
+    /// After each request, keep polling the sockets this long before sleeping (zero: off);
+    /// see [`crate::busy_poll`].
+    pub busy_poll: Duration,
 }
 
 impl Default for ServeOptions {
@@ -50,6 +53,7 @@ impl Default for ServeOptions {
             metrics_listen: None,
             shutdown_grace: Duration::from_secs(30),
             pruner: PrunerConfig::default(),
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -175,11 +179,20 @@ impl Bound {
             drain_started2.notify_one();
         };
 
+        let activity = (!options.busy_poll.is_zero()).then(|| {
+            let activity = crate::busy_poll::Activity::new();
+            tokio::spawn(crate::busy_poll::poll_while_busy(
+                Arc::clone(&activity),
+                options.busy_poll,
+            ));
+            activity
+        });
         let closing = Arc::new(crate::linger::Closing::default());
         let serve = Server::builder()
             .layer(ObserveLayer::new(
                 Arc::clone(&metrics),
                 options.max_request_bytes,
+                activity,
             ))
             .add_service(health)
             .add_service(service)

@@ -343,6 +343,42 @@ async fn remote_prunes_equal_local_ones() {
     stop(f).await;
 }
 
+/// Busy polling (one serving thread, as `dart-ngram serve --busy-poll-us` runs it) answers
+/// exactly as the default daemon does, and does not keep a shutdown from finishing.
+#[tokio::test(flavor = "current_thread")]
+async fn a_busy_polling_daemon_answers_the_same_and_shuts_down() {
+    let f = start(ServeOptions {
+        busy_poll: Duration::from_millis(50),
+        ..ServeOptions::default()
+    })
+    .await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(11);
+    let pruner = Pruner::new(Arc::clone(&f.model), PrunerConfig::default()).unwrap();
+    for i in 0..20 {
+        if i == 10 {
+            // Past the polling window: the poller sleeps, and the next request wakes it.
+            tokio::time::sleep(Duration::from_millis(120)).await;
+        }
+        let (levels, k) = (1 + rng.below(8) as usize, 1 + rng.below(25) as usize);
+        let d = random_draft(&mut rng, levels, k);
+        let remote = c
+            .prune(proto::PruneRequest {
+                draft: Some(d.clone()),
+                config: None,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .tree
+            .unwrap();
+        let local = pruner.prune(&local_request(&d)).unwrap();
+        assert_eq!(remote, dart_daemon::service::tree_to_proto(&local));
+    }
+    drop(c);
+    stop(f).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
     let f = start(ServeOptions {

@@ -10,6 +10,7 @@
 //! the section checksums and every structural invariant with a full scan.
 
 use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Advice, Mmap, MmapOptions};
@@ -32,6 +33,10 @@ pub struct OpenOptions {
     pub lock: bool,
     /// Advise transparent huge pages for the mapping (`MADV_HUGEPAGE`); best effort.
     pub huge_pages: bool,
+    /// Copy the file into anonymous memory (advised huge pages) instead of mapping it: RAM
+    /// for the whole model, and in exchange 2 MB pages, so the random lookups of a prune stop
+    /// missing the TLB (page-cache mappings get 4 KB pages on most kernels).
+    pub in_memory: bool,
 }
 
 /// A packed column: where it lies in the file and its shape.
@@ -210,6 +215,16 @@ impl std::fmt::Debug for NGramModel {
     }
 }
 
+/// The whole file in a read-only anonymous mapping, advised huge pages before it is touched.
+fn read_into_anonymous(mut file: &File, len: u64) -> std::io::Result<Mmap> {
+    let len = usize::try_from(len).map_err(|_| std::io::Error::other("file too large"))?;
+    let mut anon = MmapOptions::new().len(len).map_anon()?;
+    // Best effort: without THP the copy still works, on 4 KB pages.
+    let _ = anon.advise(Advice::HugePage);
+    file.read_exact(&mut anon[..])?;
+    anon.make_read_only()
+}
+
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -230,13 +245,18 @@ impl NGramModel {
                 detail: format!("empty file (a model starts with a {FIXED_HEADER}-byte header)"),
             });
         }
-        let mut mo = MmapOptions::new();
-        if opts.populate {
-            mo.populate();
-        }
-        // SAFETY: the mapping is read-only; like every mmap reader we rely on the file not
-        // being truncated underneath us (model files are written once and renamed into place).
-        let map = unsafe { mo.map(&file) }.map_err(io)?;
+        let map = if opts.in_memory {
+            read_into_anonymous(&file, file_len).map_err(io)?
+        } else {
+            let mut mo = MmapOptions::new();
+            if opts.populate {
+                mo.populate();
+            }
+            // SAFETY: the mapping is read-only; like every mmap reader we rely on the file not
+            // being truncated underneath us (model files are written once and renamed into
+            // place).
+            unsafe { mo.map(&file) }.map_err(io)?
+        };
         let header = Header::parse(path, &map, file_len)?;
         let mut model = NGramModel {
             path: path.to_path_buf(),
@@ -1695,14 +1715,18 @@ mod tests {
         assert_send_sync::<NGramModel>();
         let dir = tempfile::tempdir().unwrap();
         let (path, c) = small_model(dir.path());
-        let opts = OpenOptions {
-            verify: true,
-            populate: true,
-            lock: false,
-            huge_pages: true,
-        };
-        let m = NGramModel::open_with(&path, &opts).unwrap();
-        check_against(&m, &c, &contexts_of(&c));
+        for in_memory in [false, true] {
+            let opts = OpenOptions {
+                verify: true,
+                populate: true,
+                lock: false,
+                huge_pages: true,
+                in_memory,
+            };
+            let m = NGramModel::open_with(&path, &opts).unwrap();
+            check_against(&m, &c, &contexts_of(&c));
+        }
+        let m = NGramModel::open(&path).unwrap();
         let info = m.info();
         assert_eq!(info.total_ngrams, info.ngrams_per_order.iter().sum::<u64>());
         assert!(info.bytes_per_ngram > 0.0);

@@ -61,7 +61,7 @@ fn json_to_py(py: Python<'_>, v: &impl serde::Serialize) -> PyResult<Py<PyAny>> 
 #[pymethods]
 impl PyNGram {
     #[new]
-    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false))]
+    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -69,12 +69,14 @@ impl PyNGram {
         populate: bool,
         lock: bool,
         huge_pages: bool,
+        in_memory: bool,
     ) -> PyResult<Self> {
         let opts = OpenOptions {
             verify,
             populate,
             lock,
             huge_pages,
+            in_memory,
         };
         let model = py
             .detach(|| NGramModel::open_with(&path, &opts))
