@@ -3,86 +3,35 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from dart_client import local_daemon
+from dart_client.local_daemon import LocalDaemon
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def dart_ngram_binary() -> Path:
-    """The ``dart-ngram`` binary: on PATH (``make native`` links it into the venv), else the
-    release build under ``$CARGO_TARGET_DIR`` (default ``target/``)."""
-    found = shutil.which("dart-ngram")
-    if found:
-        return Path(found)
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    path = target / "release" / "dart-ngram"
-    if path.is_file():
-        return path
-    pytest.fail(
-        f"dart-ngram binary not found on PATH nor at {path}: build it with `make native` "
-        "(or `cargo build --release -p dart-ngram-cli`)"
-    )
+    """The ``dart-ngram`` binary (see :func:`dart_client.local_daemon.dart_ngram_binary`)."""
+    found = local_daemon.dart_ngram_binary()
+    if found is None:
+        pytest.fail(
+            "dart-ngram binary not found beside the interpreter, on PATH nor under "
+            "$CARGO_TARGET_DIR/release: build it with `make native` "
+            "(or `cargo build --release -p dart-ngram-cli`)"
+        )
+    return found
 
 
-class Daemon:
-    """A running ``dart-ngram serve`` on 127.0.0.1 with an ephemeral port (read from its log)."""
+class Daemon(LocalDaemon):
+    """:class:`LocalDaemon` with a metrics endpoint on an ephemeral port; killed on exit."""
 
     def __init__(self, model: Path, *extra: str, timeout: float = 30.0) -> None:
-        self.args = [
-            str(dart_ngram_binary()),
-            "serve",
-            "--model",
-            str(model),
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            *extra,
-        ]
-        self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.logs: list[dict] = []
-        self.raw: list[str] = []
-        self._listening = threading.Event()
-        self._reader = threading.Thread(target=self._read_logs, daemon=True)
-        self._reader.start()
-        if not self._listening.wait(timeout):
-            self.kill()
-            raise RuntimeError(
-                f"dart-ngram serve did not start within {timeout} s:\n" + "".join(self.raw)
-            )
-        line = next(r for r in self.logs if r.get("message") == "listening")
-        self.addr: str = line["addr"]
-        self.url = f"grpc://{self.addr}"
-        metrics = line.get("metrics")
-        self.metrics_addr: str | None = None if metrics in (None, "off") else str(metrics)
-
-    def _read_logs(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.raw.append(line)
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            self.logs.append(record)
-            if record.get("message") == "listening":
-                self._listening.set()
-
-    def log_messages(self) -> list[str]:
-        return [str(r.get("message")) for r in self.logs]
+        dart_ngram_binary()  # a missing binary fails the test with the build command
+        super().__init__(model, "--metrics-listen", "127.0.0.1:0", *extra, timeout=timeout)
 
     def metrics(self) -> str:
         import urllib.request
@@ -90,29 +39,6 @@ class Daemon:
         assert self.metrics_addr
         with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=5) as r:
             return r.read().decode()
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then the exit status (killed after ``timeout``)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        self._reader.join(5)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def __enter__(self) -> Daemon:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.kill()

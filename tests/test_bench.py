@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import make_tiny_target, make_tiny_tokenizer
 
-from dart_client import DartModel
+from dart_client import DartModel, local_daemon
 from dart_client.bench import harness
 from dart_client.bench.cli import parser, run
 from dart_client.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
@@ -187,7 +187,7 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     record = json.loads((out / "results.json").read_text())
     methods = record["workloads"]["tiny"]["methods"]
     expected = set(harness.METHODS)
-    if harness.dart_ngram_binary() is None:
+    if local_daemon.dart_ngram_binary() is None:
         expected.discard("dart-remote")
         assert any("dart-remote: skipped" in n for n in record["notes"])
     expected.add("dart@5")

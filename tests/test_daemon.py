@@ -77,7 +77,7 @@ def local(model_path: Path) -> NGram:
 def daemon(model_path: Path) -> Iterator[Daemon]:
     with Daemon(model_path, "--threads", "2") as d:
         yield d
-        assert d.alive(), "the shared daemon died during the tests:\n" + "".join(d.raw[-20:])
+        assert d.alive(), "the shared daemon died during the tests:\n" + "".join(d.lines[-20:])
 
 
 @pytest.fixture(scope="module")
@@ -539,7 +539,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_zero(
         assert wait_for(lambda: "dart_ngram_in_flight_requests 1" in d.metrics(), timeout=60)
         rc = d.terminate(timeout=60)
         t.join(60)
-        assert rc == 0, "".join(d.raw[-20:])
+        assert rc == 0, "".join(d.lines[-20:])
         assert "error" not in result, result.get("error")
         trees = result["trees"]
         assert isinstance(trees, list) and len(trees) == n

@@ -30,11 +30,9 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,23 +41,6 @@ KINDS = ("remote", "in-process")
 #: The latency table also has a row for a client that polls for its answer this long.
 SPIN = 0.002
 SPIN_KIND = f"remote, spin {SPIN * 1e3:g} ms"
-
-
-def find_binary() -> str:
-    import shutil
-
-    found = shutil.which("dart-ngram")
-    if found:
-        return found
-    target = Path(
-        os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parents[2] / "target")
-    )
-    path = target / "release" / "dart-ngram"
-    if path.is_file():
-        return str(path)
-    raise SystemExit(
-        "dart-ngram not found on PATH nor under $CARGO_TARGET_DIR/release: run `make native`"
-    )
 
 
 @dataclass
@@ -249,43 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    binary = find_binary()
-    cmd = [
-        binary,
-        "serve",
-        "--model",
-        args.model,
-        "--listen",
-        "127.0.0.1:0",
-        "--log-format",
-        "json",
-    ]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if args.busy_poll_us:
-        cmd += ["--busy-poll-us", str(args.busy_poll_us)]
-    if args.in_memory:
-        cmd += ["--in-memory"]
-    daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        import json
+    from dart_client.local_daemon import LocalDaemon
 
-        addr = None
-        assert daemon.stderr is not None
-        deadline = time.monotonic() + 60
-        while addr is None and time.monotonic() < deadline:
-            line = daemon.stderr.readline()
-            if not line:
-                raise SystemExit(f"dart-ngram serve exited with status {daemon.wait()}")
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("message") == "listening":
-                addr = rec["addr"]
-        if addr is None:
-            raise SystemExit("dart-ngram serve did not start within 60 s")
-        url = f"grpc://{addr}"
+    extra: list[str] = []
+    if args.threads:
+        extra += ["--threads", str(args.threads)]
+    if args.busy_poll_us:
+        extra += ["--busy-poll-us", str(args.busy_poll_us)]
+    if args.in_memory:
+        extra += ["--in-memory"]
+    with LocalDaemon(args.model, *extra) as daemon:
+        url = daemon.url
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
 
         rows = []
@@ -331,12 +286,6 @@ def main(argv: list[str] | None = None) -> int:
             f"p99 {empty[1]:.1f} us (spin {SPIN * 1e3:g} ms: p50 {empty_spin[0]:.1f} us, p99 "
             f"{empty_spin[1]:.1f} us)."
         )
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
     return 0
 
 

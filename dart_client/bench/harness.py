@@ -35,12 +35,9 @@ import gzip
 import json
 import os
 import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +50,7 @@ import torch
 from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
 from dart_client.generate import STAGES
+from dart_client.local_daemon import LocalDaemon
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -399,76 +397,6 @@ class HFMethod(Method):
         if hit is not None:
             tokens = tokens[: hit + 1]
         return Run(tokens=tokens, elapsed=elapsed)
-
-
-# -- the remote pruner's daemon ------------------------------------------------------------------
-
-
-def dart_ngram_binary() -> Path | None:
-    """``dart-ngram`` on PATH, else the release build under ``$CARGO_TARGET_DIR``."""
-    found = shutil.which("dart-ngram")
-    if found:
-        return Path(found)
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO_ROOT / "target"))
-    path = target / "release" / "dart-ngram"
-    return path if path.is_file() else None
-
-
-class LocalDaemon:
-    """``dart-ngram serve`` on 127.0.0.1 with an ephemeral port, stopped on ``close``."""
-
-    def __init__(self, model_path: str | Path, timeout: float = 60.0) -> None:
-        binary = dart_ngram_binary()
-        if binary is None:
-            raise MissingResourceError(
-                "dart-ngram not found on PATH nor under $CARGO_TARGET_DIR/release "
-                "(build it with `make native`)"
-            )
-        args = [str(binary), "serve", "--model", str(model_path), "--listen", "127.0.0.1:0"]
-        args += ["--log-format", "json"]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.lines: list[str] = []
-        self.addr: str | None = None
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if record.get("message") == "listening" and self.addr is None:
-                    self.addr = str(record.get("addr"))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout) or self.addr is None:
-            self.close()
-            raise BenchError(
-                f"dart-ngram serve did not start within {timeout:.0f} s:\n"
-                + "".join(self.lines[-20:])
-            )
-        self.url = f"grpc://{self.addr}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def __enter__(self) -> LocalDaemon:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def build_methods(
