@@ -136,6 +136,14 @@ class DartModel:
                 raise MissingResourceError(f"{base}: GGUF file not found")
             location, tok_kwargs = str(base.parent), {"gguf_file": base.name}
             load_kwargs["gguf_file"] = base.name
+            if device_map in (None, "cpu") and "quantization_config" not in load_kwargs:
+                # On the CPU the weights are unpacked into torch_dtype (the decoding kernels
+                # repack them for oneDNN). Saying so explicitly also spares users transformers'
+                # warning that the weights "stay quantized", which its legacy GGUF loader
+                # prints although it unpacks them.
+                from transformers import GgufConfig
+
+                load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
         else:
             location, tok_kwargs = str(base_model_name_or_path), {}
         tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
