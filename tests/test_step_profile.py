@@ -40,7 +40,16 @@ def test_profile_books_the_overhead_against_ar_forwards(tiny_ngram_path: Any) ->
     assert ratio["median"] == pytest.approx(
         report["overhead_ms"]["median"] / report["ar_forward_ms"]["median"]
     )
+    own = report["overhead_vs_own_forward"]
+    assert own["mean"] == pytest.approx(over / stages["verify"]["mean"])
     assert report["unbooked_ms_per_step"] >= 0
     text = step_profile.markdown(report)
-    for row in ("| draft |", "| emit |", "| one AR target forward |", "of one AR forward"):
+    rows = (
+        "| draft |",
+        "| emit |",
+        "| one AR target forward |",
+        "of one AR forward",
+        "own forward",
+    )
+    for row in rows:
         assert row in text
