@@ -63,23 +63,57 @@ pub async fn poll_while_busy(activity: Arc<Activity>, window: Duration) {
 mod tests {
     use super::*;
 
+    /// CPU time of the calling thread (the current-thread runtime's only thread).
+    fn thread_cpu() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid clock id and a valid out-pointer.
+        assert_eq!(
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) },
+            0
+        );
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn polls_for_the_window_after_a_request_then_sleeps() {
         let activity = Activity::new();
-        let window = Duration::from_millis(30);
+        let window = Duration::from_millis(60);
         let poller = tokio::spawn(poll_while_busy(Arc::clone(&activity), window));
-        // While polling, the runtime still runs other tasks and timers.
+        tokio::task::yield_now().await; // the poller now waits for a request
+
+        // Inside the window the thread keeps polling (it burns CPU while the test task
+        // sleeps), and other tasks and timers still run.
         activity.touch();
-        let started = Instant::now();
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        assert!(started.elapsed() < Duration::from_millis(500));
-        assert!(activity.idle_for() >= Duration::from_millis(5));
-        // Past the window the poller sleeps: a sleeping runtime makes no progress on its own,
-        // yet a timer still fires on time.
-        tokio::time::sleep(window * 2).await;
-        assert!(activity.idle_for() >= window);
+        let (wall, cpu) = (Instant::now(), thread_cpu());
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let busy = thread_cpu() - cpu;
+        assert!(
+            wall.elapsed() < Duration::from_millis(1000),
+            "a timer starved"
+        );
+        assert!(
+            busy >= Duration::from_millis(10),
+            "polled only {busy:?} of 40 ms"
+        );
+
+        // Past the window it sleeps: next to no CPU while nothing arrives.
+        tokio::time::sleep(window).await;
+        let cpu = thread_cpu();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let idle = thread_cpu() - cpu;
+        assert!(
+            idle < Duration::from_millis(20),
+            "{idle:?} of CPU in 100 ms idle"
+        );
+
+        // A new request starts it again.
         activity.touch();
-        assert!(activity.idle_for() < window);
+        let cpu = thread_cpu();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(thread_cpu() - cpu >= Duration::from_millis(10));
         poller.abort();
     }
 }

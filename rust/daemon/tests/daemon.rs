@@ -168,6 +168,19 @@ fn random_draft(rng: &mut Rng, levels: usize, k: usize) -> proto::Draft {
     }
 }
 
+/// The daemon's tree for `d` with its default configuration.
+async fn remote_tree(c: &mut NGramServiceClient<Channel>, d: &proto::Draft) -> proto::DraftTree {
+    c.prune(proto::PruneRequest {
+        draft: Some(d.clone()),
+        config: None,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .tree
+    .unwrap()
+}
+
 fn local_request(d: &proto::Draft) -> DraftRequest<'_> {
     DraftRequest {
         context: &d.context,
@@ -289,16 +302,7 @@ async fn remote_prunes_equal_local_ones() {
         let levels = 1 + rng.below(8) as usize;
         let k = 1 + rng.below(25) as usize;
         let d = random_draft(&mut rng, levels, k);
-        let remote = c
-            .prune(proto::PruneRequest {
-                draft: Some(d.clone()),
-                config: None,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .tree
-            .unwrap();
+        let remote = remote_tree(&mut c, &d).await;
         let local = pruner.prune(&local_request(&d)).unwrap();
         assert_eq!(remote, dart_daemon::service::tree_to_proto(&local));
         assert_eq!(remote.tokens.len(), local.len());
@@ -362,16 +366,7 @@ async fn a_busy_polling_daemon_answers_the_same_and_shuts_down() {
         }
         let (levels, k) = (1 + rng.below(8) as usize, 1 + rng.below(25) as usize);
         let d = random_draft(&mut rng, levels, k);
-        let remote = c
-            .prune(proto::PruneRequest {
-                draft: Some(d.clone()),
-                config: None,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .tree
-            .unwrap();
+        let remote = remote_tree(&mut c, &d).await;
         let local = pruner.prune(&local_request(&d)).unwrap();
         assert_eq!(remote, dart_daemon::service::tree_to_proto(&local));
     }
