@@ -141,9 +141,12 @@ class DartModel:
                 # repack them for oneDNN). Saying so explicitly also spares users transformers'
                 # warning that the weights "stay quantized", which its legacy GGUF loader
                 # prints although it unpacks them.
-                from transformers import GgufConfig
-
-                load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+                try:
+                    from transformers import GgufConfig
+                except ImportError:  # transformers before GgufConfig: always unpacks
+                    pass
+                else:
+                    load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
         else:
             location, tok_kwargs = str(base_model_name_or_path), {}
         tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
