@@ -8,6 +8,7 @@ SmolLM2 tokenizer) are cached under ``$DART_CACHE`` (default ``~/.cache/dart``).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def smollm2_tokenizer_dir() -> Path:
 
 # ---- generation fixtures (tiny random targets, the real SmolLM2) -------------------------
 
+#: Where the tiny random targets (and what runs with them) live: ``DART_TEST_DEVICE=cuda``
+#: runs the generation tests on a GPU, through the same code as on the CPU.
+TEST_DEVICE = os.environ.get("DART_TEST_DEVICE", "cpu")
+
 TINY_VOCAB = 384
 TINY_EOS = 2
 
@@ -65,7 +70,8 @@ def make_tiny_target(
     attn: str = "eager",
     init_range: float = 0.2,
 ) -> object:
-    """A small random Llama or Qwen3 causal LM (float64 by default), deterministic per seed."""
+    """A small random Llama or Qwen3 causal LM (float64 by default), deterministic per seed,
+    on :data:`TEST_DEVICE`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -94,7 +100,7 @@ def make_tiny_target(
         raise ValueError(f"unknown tiny arch {arch!r}")
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = cls(config).to(dtype or torch.float64).eval()
+    model = cls(config).to(dtype or torch.float64).to(TEST_DEVICE).eval()
     model.generation_config.eos_token_id = TINY_EOS
     model.generation_config.pad_token_id = 0
     return model

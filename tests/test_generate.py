@@ -49,13 +49,13 @@ def targets() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def heads(targets: dict[str, Any]) -> dict[str, DartHead]:
     return {
-        arch: DartHead.random_init(model.config, draft_length=3, seed=11).double()
+        arch: DartHead.random_init(model.config, draft_length=3, seed=11).double().to(model.device)
         for arch, model in targets.items()
     }
 
 
 def hf_greedy(model: Any, prompt: Sequence[int], **kwargs: Any) -> list[int]:
-    ids = torch.tensor([list(prompt)])
+    ids = torch.tensor([list(prompt)], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
     return out[0, len(prompt) :].tolist()
 
@@ -422,7 +422,7 @@ def exact_joint(
     dist: dict[tuple, float] = {(): 1.0}
     for _ in range(n):
         prefixes = list(dist)
-        batch = torch.tensor([prompt + list(p) for p in prefixes])
+        batch = torch.tensor([prompt + list(p) for p in prefixes], device=model.device)
         with torch.no_grad():
             logits = model(batch).logits[:, -1]
         probs = target_probs(logits, params)
@@ -468,6 +468,7 @@ def sampling_setup() -> tuple[DartModel, FullTree, dict[tuple, float]]:
     model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
+    head = head.to(model.device)
     builder = FullTree(width=3, depth=2)
     dm = DartModel(model, head, tree_builder=builder)
     assert not dm.target.eos_token_ids
@@ -535,7 +536,10 @@ def test_biased_acceptance_is_caught(sampling_setup: Any, monkeypatch: pytest.Mo
             for child in tree.children[node]:
                 x = tree.tokens[child]
                 ratio = min(1.0, float(p[x] / p.sum()) / builder.q[child])
-                if float(torch.rand((), generator=gen, dtype=torch.float64)) < ratio:
+                if (
+                    float(torch.rand((), generator=gen, dtype=torch.float64, device=gen.device))
+                    < ratio
+                ):
                     chosen = child
                     break
                 p[x] = 0.0

@@ -107,6 +107,7 @@ def regenerate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     torch.manual_seed(seed)
+    device = next(model.parameters()).device
     written = 0
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
     with output.open("a", encoding="utf-8") as out:
@@ -118,8 +119,8 @@ def regenerate(
                 input_ids[b, width - len(ids) :] = torch.tensor(ids)  # left padding
                 attention[b, width - len(ids) :] = 1
             generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
                 max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
@@ -171,12 +172,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="stop after this many conversations in total")
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
     args = p.parse_args(argv)
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
         model, tokenizer, _ = load_target(args.target, args.target_dtype)
-        # Batched decoding multiplies a few dozen rows per step: faster with packed weights.
+        model.to(args.device)
+        # Batched decoding multiplies a few dozen rows per step: faster with packed weights
+        # (a no-op off the CPU).
         pack_linear_layers(model)
 
         def selected() -> Iterator[Conversation]:
