@@ -183,8 +183,11 @@ def build_model(
     import torch
 
     from dart_client.dart_model import DartModel, load_ngram
+    from dart_client.devices import check_device
     from dart_client.models.head import DartHead
 
+    if device != "auto":  # device_map="auto" lets accelerate place the layers
+        check_device(device)
     if base is None:
         from dart_client.embedded import smollm2_gguf
 

@@ -105,9 +105,11 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dart_client.devices import check_device
     from dart_client.train.data import cached_training_set
     from dart_client.train.trainer import TrainConfig, Trainer, init_distributed
 
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed(args.device)

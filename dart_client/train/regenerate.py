@@ -153,6 +153,7 @@ def regenerate(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dart_client.devices import check_device
     from dart_client.models.linear import pack_linear_layers
     from dart_client.train.cli import _default_data, load_target
 
@@ -175,10 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
     args = p.parse_args(argv)
     try:
+        device = check_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
         model, tokenizer, _ = load_target(args.target, args.target_dtype)
-        model.to(args.device)
+        model.to(device)
         # Batched decoding multiplies a few dozen rows per step: faster with packed weights
         # (a no-op off the CPU).
         pack_linear_layers(model)
