@@ -281,6 +281,7 @@ class _Calibration:
         self.seq = [*prompt, *result.tokens]
         self.draft_seconds: list[float] = []
         self.rows = self._draft_all()
+        self.lookups = self._lookup_all()
         self._memo: dict[tuple[int, int], tuple[int, float]] = {}
 
     @torch.no_grad()
@@ -308,14 +309,36 @@ class _Calibration:
             self.draft_seconds.append(self.clock() - t0)
         return rows
 
+    def _lookup_all(self) -> list[np.ndarray]:
+        """lookups[i]: the prompt-lookup proposal at the root ``seq[P + i]``, as rows[i] (the
+        longest the model's config allows; each budget cuts it as generation does)."""
+        config = self.model.prompt_lookup
+        if config is None:
+            return []
+        index = config.new_index()
+        index.extend(self.seq[: self.prompt_len])
+        out = []
+        for root in range(self.prompt_len, len(self.seq) - 1):
+            index.extend([self.seq[root]])
+            out.append(np.asarray(index.propose(config.max_tokens), dtype=np.int64))
+        return out
+
     def _accept(self, root: int, budget: int) -> tuple[int, float]:
         """Tokens one step at root index ``root`` yields with ``budget``, and the prune time."""
         key = (root, budget)
         if key not in self._memo:
             assert self.model.tree_builder is not None
             context = np.asarray(self.seq[: root + 1][-PRUNER_CONTEXT:], dtype=np.int64)
+            rows = self.rows[root - self.prompt_len]
+            config = self.model.prompt_lookup
+            path = None
+            if config is not None:
+                path = self.lookups[root - self.prompt_len][: config.path_length(budget)]
             t0 = self.clock()
-            tree = self.model.tree_builder.build(context, self.rows[root - self.prompt_len], budget)
+            if path is not None and path.size:
+                tree = self.model.tree_builder.build(context, rows, budget, lookup_path=path)
+            else:
+                tree = self.model.tree_builder.build(context, rows, budget)
             seconds = self.clock() - t0
             self._memo[key] = (1 + _matched_depth(tree, self.seq, root), seconds)
         return self._memo[key]

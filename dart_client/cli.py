@@ -95,7 +95,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking")
     g.add_argument("--ar", action="store_true", help="plain autoregressive decoding")
+    add_prompt_lookup_argument(g)
     add_cpu_kernels_argument(g)
+
+
+def add_prompt_lookup_argument(g: Any) -> None:
+    """``--prompt-lookup N`` (``args.prompt_lookup``): see :mod:`dart_client.lookup`."""
+    g.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=8,
+        metavar="N",
+        help="merge a prompt-lookup path of up to N tokens (what followed the context's last "
+        "tokens earlier in it) into every draft tree; 0 = off, the paper's trees (default 8)",
+    )
 
 
 def add_cpu_kernels_argument(g: Any) -> None:
@@ -162,6 +175,7 @@ def load_model(args: argparse.Namespace) -> Any:
         ngram_server=args.ngram_server,
         ar=args.ar,
         cpu_kernels=args.cpu_kernels,
+        prompt_lookup=args.prompt_lookup,
     )
 
 
@@ -177,9 +191,11 @@ def build_model(
     ngram_server: str | None = None,
     ar: bool = False,
     cpu_kernels: bool = True,
+    prompt_lookup: int = 8,
 ) -> Any:
     """The DartModel of a target (None = embedded SmolLM2), a head directory (or "random")
-    and an n-gram (a path, "embedded", or a daemon URL in ``ngram_server``)."""
+    and an n-gram (a path, "embedded", or a daemon URL in ``ngram_server``);
+    ``prompt_lookup``: the longest prompt-lookup path merged into each tree (0 = off)."""
     import torch
 
     from dart_client.dart_model import DartModel, load_ngram
@@ -240,6 +256,7 @@ def build_model(
         ngram=ngram,
         pruner=pruner,
         template=model.template,
+        prompt_lookup=prompt_lookup,
     )
 
 

@@ -25,11 +25,15 @@ from dart_client.generate import (
     ar_generate,
     dart_generate,
 )
+from dart_client.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
 from dart_client.templates import TEMPLATE_REGISTRY, ChatTemplate
 
 DEFAULT_DRAFT_TOP_K = 25
+
+#: ``prompt_lookup``'s default: on for the pruner's trees, off for a custom tree builder.
+DEFAULT_LOOKUP: Any = "default"
 
 
 class DartModel:
@@ -40,7 +44,11 @@ class DartModel:
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
     ``tree_budget`` is the default node budget of ``dart_generate`` (an int, or ``"auto"``:
     measured on this machine by :mod:`dart_client.autotune`, whose result lands in
-    ``tree_tuning``).
+    ``tree_tuning``). ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
+    (:mod:`dart_client.lookup`): a :class:`~dart_client.lookup.PromptLookupConfig`, a path
+    length (``0`` or ``None``: off, the paper's trees). By default it is on when the trees
+    come from the pruner and off otherwise (a custom ``tree_builder`` then receives no
+    ``lookup_path``).
     """
 
     def __init__(
@@ -55,6 +63,7 @@ class DartModel:
         tree_builder: TreeBuilder | None = None,
         template: str | ChatTemplate | None = None,
         tree_budget: int | str | None = None,
+        prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
     ) -> None:
         if tree_budget not in (None, "auto") and (
             isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 0
@@ -83,9 +92,13 @@ class DartModel:
             pruner = Pruner(ngram, pruner_config if pruner_config is not None else PrunerConfig())
         self.ngram = ngram
         self.pruner = pruner
-        if tree_builder is None and pruner is not None:
+        pruner_trees = tree_builder is None and pruner is not None
+        if pruner_trees:
             tree_builder = PrunerTreeBuilder(pruner)
         self.tree_builder = tree_builder
+        if prompt_lookup is DEFAULT_LOOKUP:
+            prompt_lookup = PromptLookupConfig() if pruner_trees else None
+        self.prompt_lookup: PromptLookupConfig | None = parse_prompt_lookup(prompt_lookup)
         config = getattr(pruner, "config", None)
         self.draft_top_k = int(getattr(config, "top_k", DEFAULT_DRAFT_TOP_K))
         if isinstance(template, str):
@@ -112,6 +125,7 @@ class DartModel:
         double_final_norm: bool | None = None,
         tree_budget: int | str | None = None,
         cpu_kernels: bool = True,
+        prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
         **hf_kwargs: Any,
     ) -> DartModel:
         """Load the target (local path, hub id or a ``.gguf`` file), the head and the n-gram.
@@ -122,6 +136,7 @@ class DartModel:
         tunes the budget now, at load time (a few seconds: see :mod:`dart_client.autotune`).
         ``cpu_kernels``: on the CPU, run the target on the decoding kernels of
         :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
+        ``prompt_lookup``: see the class docstring.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,6 +187,7 @@ class DartModel:
             pruner_config=pruner_config,
             template=template,
             tree_budget=tree_budget,
+            prompt_lookup=prompt_lookup,
         )
         if tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
             from dart_client.autotune import auto_budget

@@ -49,9 +49,18 @@ PRUNER_CONTEXT = 8
 
 
 class TreeBuilder(Protocol):
-    """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC)."""
+    """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC).
 
-    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree: ...
+    ``lookup_path`` (passed only when the model's ``prompt_lookup`` proposes one): tokens
+    after the root the tree should hold (:mod:`dart_client.lookup`)."""
+
+    def build(
+        self,
+        context: np.ndarray,
+        rows: DraftRows,
+        budget: int,
+        lookup_path: np.ndarray | None = None,
+    ) -> Tree: ...
 
 
 class PrunerTreeBuilder:
@@ -60,8 +69,16 @@ class PrunerTreeBuilder:
     def __init__(self, pruner: Any) -> None:
         self.pruner = pruner
 
-    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
-        tree = self.pruner.prune(context, rows.ids, rows.probs, budget=budget)
+    def build(
+        self,
+        context: np.ndarray,
+        rows: DraftRows,
+        budget: int,
+        lookup_path: np.ndarray | None = None,
+    ) -> Tree:
+        tree = self.pruner.prune(
+            context, rows.ids, rows.probs, budget=budget, lookup_path=lookup_path
+        )
         return Tree.from_draft_tree(tree)
 
 
@@ -342,6 +359,11 @@ class _Run:
         tokenizer = model.tokenizer
         self.detok = IncrementalText(tokenizer) if tokenizer is not None else None
         self.stop_scanned = 0  # characters of self.detok.text already searched for stops
+        lookup = model.prompt_lookup if mode == "dart" else None
+        self.lookup = lookup
+        self.lookup_index = lookup.new_index() if lookup is not None else None
+        if self.lookup_index is not None:
+            self.lookup_index.extend(ids)
         self.final_text: tuple[int, str] | None = None  # (tokens decoded, text) of _text()
 
     def _clock(self) -> float:
@@ -423,7 +445,16 @@ class _Run:
                     else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
                     dtype=np.int64,
                 )
-                tree = self.model.tree_builder.build(context, rows, budget)
+                path = None
+                if self.lookup is not None and self.lookup_index is not None:
+                    index = self.lookup_index
+                    index.extend(self.generated[len(index) - prompt_len :])
+                    path = self.lookup.path(index, budget)
+                tree = (
+                    self.model.tree_builder.build(context, rows, budget, lookup_path=path)
+                    if path is not None
+                    else self.model.tree_builder.build(context, rows, budget)
+                )
             else:
                 tree = Tree.root_only(root)
             t = self._lap(t, "prune", step)

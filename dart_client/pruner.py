@@ -152,6 +152,14 @@ def _budget(b: Any, what: str) -> int | None:
     return int(b)
 
 
+def _path(path: Any, what: str) -> npt.NDArray[np.int64] | None:
+    """A lookup path as int64 ids (None or empty: no path)."""
+    if path is None:
+        return None
+    ids = _ids(path, 1, what)
+    return ids if ids.size else None
+
+
 class Pruner:
     """The in-process pruner over an :class:`dart_client.ngram.NGram` model."""
 
@@ -182,11 +190,19 @@ class Pruner:
         return _ids(c[offset:], 1, what), offset
 
     def prune(
-        self, context: Any, topk_ids: Any, topk_probs: Any, budget: int | None = None
+        self,
+        context: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budget: int | None = None,
+        lookup_path: Any = None,
     ) -> DraftTree:
         """One draft tree. ``context``: token ids so far (its last is the root);
         ``topk_ids``/``topk_probs``: (L, k); ``budget``: nodes to keep instead of
-        ``config.max_nodes`` (the root not counted). Numpy arrays, lists or CPU tensors."""
+        ``config.max_nodes`` (the root not counted); ``lookup_path``: tokens after the root
+        the tree must hold as one path, e.g. a prompt-lookup proposal (its new nodes count
+        against the budget and score ``-inf``; cut to the budget). Numpy arrays, lists or CPU
+        tensors."""
         ctx, offset = self._context(context, "context")
         out = self._native.prune(
             ctx,
@@ -194,6 +210,7 @@ class Pruner:
             _probs(topk_probs, 2, "topk_probs"),
             _budget(budget, "budget"),
             offset,
+            _path(lookup_path, "lookup_path"),
         )
         return DraftTree(*out)
 
@@ -203,18 +220,24 @@ class Pruner:
         topk_ids: Any,
         topk_probs: Any,
         budgets: Sequence[int | None] | None = None,
+        lookup_paths: Sequence[Any] | None = None,
     ) -> list[DraftTree]:
         """Many trees in one call, in parallel: ``contexts`` B sequences (or a (B, T) array),
-        ``topk_ids``/``topk_probs`` (B, L, k), ``budgets`` B values (int or None) or None.
-        Results equal ``[prune(...) for each request]``; an error names the request."""
+        ``topk_ids``/``topk_probs`` (B, L, k), ``budgets`` B values (int or None) or None,
+        ``lookup_paths`` B paths (or None each) or None. Results equal
+        ``[prune(...) for each request]``; an error names the request."""
         tails = [self._context(c, f"contexts[{i}]") for i, c in enumerate(_numpy(contexts))]
         if budgets is not None:
             budgets = [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
+        paths = None
+        if lookup_paths is not None:
+            paths = [_path(p, f"lookup_paths[{i}]") for i, p in enumerate(lookup_paths)]
         out = self._native.prune_batch(
             [t[0] for t in tails],
             _ids(topk_ids, 3, "topk_ids"),
             _probs(topk_probs, 3, "topk_probs"),
             budgets,
             [t[1] for t in tails],
+            paths,
         )
         return [DraftTree(*t) for t in out]

@@ -258,12 +258,12 @@ class RemoteNGram:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _call(self, name: str, method: Callable[..., T], *args: Any) -> T:
-        """``method(*args, timeout)`` with bounded retries of transient failures."""
+    def _call(self, name: str, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``method(*args, timeout, **kwargs)`` with bounded retries of transient failures."""
         policy = self.retry
         for attempt in range(policy.attempts):
             try:
-                return method(*args, self.timeout)
+                return method(*args, self.timeout, **kwargs)
             except DaemonStatusError as err:
                 code = _STATUS.get(err.args[0], grpc.StatusCode.UNKNOWN)
                 details = str(err.args[1])
@@ -420,6 +420,14 @@ def _k(k: int) -> int:
     return int(k)
 
 
+def _path(path: Any, what: str) -> np.ndarray | None:
+    """A lookup path as int64 ids (None or empty: no path)."""
+    if path is None:
+        return None
+    ids = _ids(path, what)
+    return ids if ids.size else None
+
+
 def _budget(budget: Any, what: str) -> int | None:
     if budget is None:
         return None
@@ -467,7 +475,12 @@ class RemotePruner:
         return _ids(c[-self._tail :], what)
 
     def prune(
-        self, context: Any, topk_ids: Any, topk_probs: Any, budget: int | None = None
+        self,
+        context: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budget: int | None = None,
+        lookup_path: Any = None,
     ) -> DraftTree:
         """One draft tree (see ``Pruner.prune``)."""
         from dart_client.pruner import DraftTree
@@ -481,6 +494,7 @@ class RemotePruner:
             _ids(topk_ids, "topk_ids", ndim=2),
             _probs(topk_probs, "topk_probs", ndim=2),
             _budget(budget, "budget"),
+            lookup_path=_path(lookup_path, "lookup_path"),
         )
         return DraftTree(*out)
 
@@ -490,9 +504,11 @@ class RemotePruner:
         topk_ids: Any,
         topk_probs: Any,
         budgets: Sequence[int | None] | None = None,
+        lookup_paths: Sequence[Any] | None = None,
     ) -> list[DraftTree]:
         """Many trees in one call (see ``Pruner.prune_batch``): ``topk_ids``/``topk_probs``
-        are (B, L, k), ``contexts`` B sequences, ``budgets`` B values or None."""
+        are (B, L, k), ``contexts`` B sequences, ``budgets`` B values or None,
+        ``lookup_paths`` B paths (or None each) or None."""
         from dart_client.pruner import DraftTree
 
         ids = _ids(topk_ids, "topk_ids", ndim=3)
@@ -518,9 +534,26 @@ class RemotePruner:
             if budgets is None
             else [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
         )
+        if lookup_paths is not None and len(lookup_paths) != ids.shape[0]:
+            raise RemoteInvalidArgumentError(
+                f"{len(lookup_paths)} lookup paths for a batch of {ids.shape[0]} drafts; "
+                "expected one per draft (or lookup_paths=None)"
+            )
+        wire_paths = (
+            None
+            if lookup_paths is None
+            else [_path(p, f"lookup_paths[{i}]") for i, p in enumerate(lookup_paths)]
+        )
         ngram = self.ngram
         out = ngram._call(
-            "PruneBatch", ngram._client.prune_batch, self._wire, ctxs, ids, probs, wire_budgets
+            "PruneBatch",
+            ngram._client.prune_batch,
+            self._wire,
+            ctxs,
+            ids,
+            probs,
+            wire_budgets,
+            lookup_paths=wire_paths,
         )
         return [DraftTree(*t) for t in out]
 

@@ -72,14 +72,16 @@ class PlantedBuilder:
         return Tree.root_only(ctx[-1])
 
 
+@pytest.mark.parametrize("lookup", [8, 0], ids=["lookup", "no-lookup"])
 def test_replay_equals_generation_with_the_real_pruner(
-    target: Any, head: DartHead, tiny_ngram_path: Any
+    target: Any, head: DartHead, tiny_ngram_path: Any, lookup: int
 ) -> None:
     from dart_client.ngram import NGram
 
-    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)))
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), prompt_lookup=lookup)
     clock = _Clock(dm.target.device)
-    for prompt in prompts(3, seed=1):
+    # Prompts that repeat themselves give prompt lookup something to propose.
+    for prompt in [*prompts(2, seed=1), *(p * 3 for p in prompts(2, seed=7))]:
         cal = _Calibration(dm, prompt, 20, clock)
         for budget in (1, 3, 10, 40):
             lengths, _ = cal.replay(budget)

@@ -215,17 +215,22 @@ def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NG
             k = int(rng.integers(1, 26))
             ctx, ids, probs = random_draft(local, rng, levels, k)
             budget = int(rng.integers(1, 80)) if i % 4 == 0 else None
+            # A prompt-lookup path on every other draft (some beyond the head's levels).
+            path = (
+                rng.integers(0, local.vocab_size, size=int(rng.integers(1, 12))) if i % 2 else None
+            )
             assert_same_tree(
-                remote_pruner.prune(ctx, ids, probs, budget=budget),
-                local_pruner.prune(ctx, ids, probs, budget=budget),
+                remote_pruner.prune(ctx, ids, probs, budget=budget, lookup_path=path),
+                local_pruner.prune(ctx, ids, probs, budget=budget, lookup_path=path),
             )
         drafts = [random_draft(local, rng) for _ in range(16)]
         contexts = [d[0] for d in drafts]
         ids = np.stack([d[1] for d in drafts])
         probs = np.stack([d[2] for d in drafts])
         budgets = [None if j % 2 else 10 + j for j in range(16)]
-        got = remote_pruner.prune_batch(contexts, ids, probs, budgets=budgets)
-        want = local_pruner.prune_batch(contexts, ids, probs, budgets=budgets)
+        paths = [None if j % 3 else list(contexts[j][-3:]) for j in range(16)]
+        got = remote_pruner.prune_batch(contexts, ids, probs, budgets=budgets, lookup_paths=paths)
+        want = local_pruner.prune_batch(contexts, ids, probs, budgets=budgets, lookup_paths=paths)
         assert len(got) == len(want) == 16
         for a, b in zip(got, want, strict=True):
             assert_same_tree(a, b)
@@ -361,6 +366,8 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
         remote.pruner(PrunerConfig(beam_width=0)).prune(ctx, ids, probs)
     with pytest.raises(RemoteInvalidArgumentError, match="budget"):
         pruner.prune(ctx, ids, probs, budget=0)
+    with pytest.raises(TokenOutOfVocabError, match=r"lookup_path\[1\]"):
+        pruner.prune(ctx, ids, probs, lookup_path=[1, v + 2])
     with pytest.raises(RemoteInvalidArgumentError, match="drafts\\[1\\]"):
         oov = ids.copy()
         oov[0, 0] = v

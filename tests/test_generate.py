@@ -102,16 +102,43 @@ def run_oracle(dm: DartModel, oracle: OracleTree, **kwargs: Any) -> Any:
     return stream.result
 
 
+def record_lookup_paths(dm: DartModel) -> list[list[int]]:
+    """Wraps ``dm``'s tree builder; the returned list fills with each step's lookup path."""
+    builder = dm.tree_builder
+    assert builder is not None
+    build = builder.build
+    paths: list[list[int]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Tree:
+        path = kwargs.get("lookup_path")
+        paths.append([] if path is None else [int(t) for t in path])
+        return build(*args, **kwargs)
+
+    builder.build = recording  # type: ignore[method-assign]
+    return paths
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "no-lookup"])
 def test_greedy_matches_ar_and_transformers_with_pruner(
-    arch: str, targets: dict[str, Any], heads: dict[str, DartHead], tiny_ngram_path: Any
+    arch: str,
+    lookup: bool,
+    targets: dict[str, Any],
+    heads: dict[str, DartHead],
+    tiny_ngram_path: Any,
 ) -> None:
     pytest.importorskip("dart_client.pruner")
     from dart_client.ngram import NGram
 
     model = targets[arch]
-    dm = DartModel(model, heads[arch], ngram=NGram.open(str(tiny_ngram_path)))
+    dm = DartModel(
+        model,
+        heads[arch],
+        ngram=NGram.open(str(tiny_ngram_path)),
+        prompt_lookup=8 if lookup else None,
+    )
+    paths = record_lookup_paths(dm)
     cases = list(zip(random_prompts(12, seed=3), [None, 1, 3, 17, 60, 2] * 2, strict=True))
     total_steps = 0
     for i, (prompt, budget) in enumerate(cases):
@@ -127,6 +154,12 @@ def test_greedy_matches_ar_and_transformers_with_pruner(
         if budget is None and got.steps:
             assert max(got.tree_sizes[1:]) > 1, "the pruner built no tree"
     assert total_steps > 0
+    # Tiny random targets repeat themselves now and then: prompt lookup proposes paths.
+    proposed = [p for p in paths if p]
+    if lookup:
+        assert len(proposed) >= 5, (len(proposed), total_steps)
+    else:
+        assert not proposed
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -521,6 +554,59 @@ def test_sampling_is_lossless(sampling_setup: Any) -> None:
         for s in range(400)
     )
     assert chi_square_pvalue(ar_counts, exact, 400) > 1e-3
+
+
+LOOKUP_PROMPT = [5, 7, 3, 9, 5, 7, 3, 9, 5, 7, 4]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_with_the_pruner_and_prompt_lookup_is_lossless(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The real pruner over a real 3-gram, prompt-lookup paths merged into every tree: the
+    first tokens are distributed exactly as the target's own."""
+    import json
+
+    from dart_client.ngram import NGram
+    from dart_client.ngram_build import build
+
+    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, seed=5, init_range=0.3)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
+    root = tmp_path_factory.mktemp("small-vocab-ngram")
+    rng = np.random.default_rng(1)
+    with (root / "docs.jsonl").open("w") as f:
+        for _ in range(200):
+            ids = rng.integers(0, SMALL_VOCAB, size=int(rng.integers(3, 30))).tolist()
+            f.write(json.dumps({"ids": ids}) + "\n")
+    build([root / "docs.jsonl"], root / "m.ngram", order=3, vocab_size=SMALL_VOCAB, no_eos=True)
+    dm = DartModel(
+        model, head.to(model.device), ngram=NGram.open(root / "m.ngram"), prompt_lookup=3
+    )
+    paths = record_lookup_paths(dm)
+    exact = exact_joint(model, LOOKUP_PROMPT, 3, PARAMS)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(N_SAMPLES):
+        r = dart_generate(
+            dm,
+            input_ids=LOOKUP_PROMPT,
+            max_new_token_num=6,  # room for lookup paths; the first 3 tokens are compared
+            tree_budget=5,
+            seed=seed,
+            temperature=PARAMS.temperature,
+            top_k=PARAMS.top_k,
+            top_p=PARAMS.top_p,
+        )
+        counts[tuple(r.tokens[:3])] += 1
+        accepted += sum(a - 1 for a in r.accept_lengths[1:])
+    assert sum(1 for p in paths if p) > N_SAMPLES, "prompt lookup proposed too little to test"
+    assert accepted > N_SAMPLES // 2, "drafts were hardly ever accepted: the test is vacuous"
+    pvalue = chi_square_pvalue(counts, exact, N_SAMPLES)
+    tv = total_variation(counts, exact, N_SAMPLES)
+    print(f"pruner + lookup: p={pvalue:.3g} TV={tv:.3f} accepted drafts={accepted}")
+    assert pvalue > 1e-3, f"DART samples differ from the target (p={pvalue:.2e}, TV={tv:.3f})"
 
 
 @pytest.mark.usefixtures("one_thread")

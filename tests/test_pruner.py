@@ -64,9 +64,12 @@ def reference_prune(
     ids: np.ndarray,
     probs: np.ndarray,
     budget: int | None,
+    lookup_path: list[int] | tuple[int, ...] = (),
 ) -> list[tuple[tuple[int, ...], float]]:
     """The algorithm the plain way: every path a tuple, full sorts. Returns the kept nodes in
-    output order (depth, then score descending, then path) as (path, score), root excluded."""
+    output order (depth, then score descending, then path) as (path, score), root excluded.
+    With a lookup path: the most best nodes that fit beside the path's missing nodes, plus
+    those (score -inf)."""
     levels, k = ids.shape
     beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
     pool: list[tuple[tuple[int, ...], float]] = []
@@ -89,7 +92,17 @@ def reference_prune(
         ext.sort(key=lambda e: (eos is not None and e[0][-1] == eos, -e[1], e[0]))
         beam = ext[: cfg.beam_width]
     pool.sort(key=lambda e: (-e[1], len(e[0]), e[0]))
-    kept = pool[: budget if budget is not None else cfg.max_nodes]
+    limit = budget if budget is not None else cfg.max_nodes
+    kept = pool[:limit]
+    path = tuple(lookup_path[:limit])
+    if path:
+        prefixes = [path[:d] for d in range(1, len(path) + 1)]
+        for j in range(len(kept), -1, -1):
+            have = {p for p, _ in kept[:j]}
+            missing = [p for p in prefixes if p not in have]
+            if j + len(missing) <= limit:
+                break
+        kept = kept[:j] + [(p, -math.inf) for p in missing]
     kept.sort(key=lambda e: (len(e[0]), -e[1], e[0]))
     return kept
 
@@ -233,6 +246,9 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         ).reshape(levels, k),
         "config": cfg,
         "budget": draw(st.one_of(st.none(), st.integers(1, 40))),
+        "lookup": draw(
+            st.one_of(st.just([]), st.lists(st.integers(0, vocab - 1), min_size=1, max_size=9))
+        ),
     }
 
 
@@ -243,10 +259,19 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
 def test_agrees_exactly_with_the_python_reference(small_models, case) -> None:
     ng, counts = small_models[case["model"]]
     cfg = case["config"]
-    tree = Pruner(ng, cfg).prune(case["context"], case["ids"], case["probs"], case["budget"])
+    tree = Pruner(ng, cfg).prune(
+        case["context"], case["ids"], case["probs"], case["budget"], lookup_path=case["lookup"]
+    )
     eos = cfg.eos_id if cfg.eos_id is not None else counts.eos
     kept = reference_prune(
-        counts.prob, eos, cfg, case["context"], case["ids"], case["probs"], case["budget"]
+        counts.prob,
+        eos,
+        cfg,
+        case["context"],
+        case["ids"],
+        case["probs"],
+        case["budget"],
+        case["lookup"],
     )
     assert_same_tree(tree, tree_from_reference(case["context"][-1], kept))
     check_guarantees(tree, case["context"][-1], case["budget"] or cfg.max_nodes)
@@ -255,8 +280,9 @@ def test_agrees_exactly_with_the_python_reference(small_models, case) -> None:
 @st.composite
 def batches(
     draw: st.DrawFn,
-) -> tuple[int, PrunerConfig, list[Any], np.ndarray, np.ndarray, list[Any]]:
-    """One model and config, B requests of a common shape (L, k), budgets per request."""
+) -> tuple[int, PrunerConfig, list[Any], np.ndarray, np.ndarray, list[Any], list[Any]]:
+    """One model and config, B requests of a common shape (L, k), budgets and lookup paths
+    per request."""
     m = draw(st.integers(0, len(MODELS) - 1))
     vocab = MODELS[m][1]
     levels, k, b = (
@@ -273,8 +299,12 @@ def batches(
     ).reshape(b, levels, k)
     contexts = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5)) for _ in range(b)]
     budgets = [draw(st.one_of(st.none(), st.integers(1, 20))) for _ in range(b)]
+    paths = [
+        draw(st.one_of(st.none(), st.lists(st.integers(0, vocab - 1), max_size=6)))
+        for _ in range(b)
+    ]
     cfg = PrunerConfig(beam_width=draw(st.integers(1, 5)), max_nodes=draw(st.integers(1, 20)))
-    return m, cfg, contexts, ids, probs, budgets
+    return m, cfg, contexts, ids, probs, budgets, paths
 
 
 @settings(
@@ -282,12 +312,12 @@ def batches(
 )
 @given(batch=batches())
 def test_prune_batch_equals_prune(small_models, batch) -> None:
-    m, cfg, contexts, ids, probs, budgets = batch
+    m, cfg, contexts, ids, probs, budgets, paths = batch
     pruner = Pruner(small_models[m][0], cfg)
-    trees = pruner.prune_batch(contexts, ids, probs, budgets)
+    trees = pruner.prune_batch(contexts, ids, probs, budgets, lookup_paths=paths)
     assert len(trees) == len(contexts)
     for i, t in enumerate(trees):
-        one = pruner.prune(contexts[i], ids[i], probs[i], budgets[i])
+        one = pruner.prune(contexts[i], ids[i], probs[i], budgets[i], lookup_path=paths[i])
         for f in fields(DraftTree):
             assert np.array_equal(getattr(t, f.name), getattr(one, f.name)), f.name
 
@@ -433,6 +463,42 @@ def test_bad_input_is_a_clear_error(small, args, exc, message) -> None:
         Pruner(small).prune(*args)
     assert message in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("path", "exc", "message"),
+    [
+        ([3, 12], TokenOutOfVocabError, "lookup_path[1] = 12"),
+        ([-4], TokenOutOfVocabError, "lookup_path[0] = -4"),
+        ([[1, 2]], PrunerError, "lookup_path must be 1-dimensional"),
+        ([1.5], PrunerError, "lookup_path must hold integer token ids"),
+    ],
+)
+def test_bad_lookup_path_is_a_clear_error(small, path, exc, message) -> None:
+    with pytest.raises(exc) as e:
+        Pruner(small).prune([1], IDS, PROBS2, lookup_path=path)
+    assert message in str(e.value)
+
+
+def test_lookup_path_is_held_within_the_budget(small) -> None:
+    pruner = Pruner(small)
+    plain = pruner.prune([1], IDS, PROBS2, budget=4)
+    # A path the beam would not keep: it takes 3 of the 4 nodes, the beam's best the rest.
+    tree = pruner.prune([1], IDS, PROBS2, budget=4, lookup_path=[9, 9, 9])
+    assert len(tree) == 5
+    assert [tree.path(i) for i in range(1, 5) if np.isfinite(tree.scores[i])] == [plain.path(1)]
+    assert max(tree.path(i) for i in range(1, 5) if not np.isfinite(tree.scores[i])) == [9] * 3
+    # Empty and None paths change nothing.
+    for empty in (None, [], np.zeros(0, np.int64)):
+        again = pruner.prune([1], IDS, PROBS2, budget=4, lookup_path=empty)
+        assert all(
+            np.array_equal(getattr(again, f.name), getattr(plain, f.name))
+            for f in fields(DraftTree)
+        )
+    # A path longer than the budget is cut to it.
+    assert [
+        tree.path(4) for tree in [pruner.prune([1], IDS, PROBS2, budget=4, lookup_path=[7] * 9)]
+    ] == [[7] * 4]
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dart_client.bench import harness, report
-from dart_client.cli import add_cpu_kernels_argument
+from dart_client.cli import add_cpu_kernels_argument, add_prompt_lookup_argument
 from dart_client.errors import DartError
 
 
@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     g.add_argument("--device", default="cpu")
     add_cpu_kernels_argument(g)
+    add_prompt_lookup_argument(g)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     g = p.add_argument_group("benchmark")
     g.add_argument(
@@ -115,6 +116,7 @@ def load(args: argparse.Namespace, notes: list[str]) -> Any:
         dtype=args.dtype,
         device=args.device,
         cpu_kernels=args.cpu_kernels,
+        prompt_lookup=args.prompt_lookup,
     )
 
 

@@ -13,9 +13,11 @@ Workloads (each prompt becomes token ids once, so every method sees the same inp
   messages up to and including the first user turn); an optional ``"id"``.
 
 Methods on one target (one process, one load): ``ar`` (``ar_generate``), ``hf``
-(transformers' ``generate``), ``pld`` (transformers' prompt lookup decoding), ``dart``,
-``dart-no-ngram`` (the pruner with ``ngram_weight=0``), ``dart-remote`` (the pruner served by
-a ``dart-ngram serve`` daemon; ``--remote auto`` starts one on an ephemeral loopback port).
+(transformers' ``generate``), ``pld`` (transformers' prompt lookup decoding), ``dart`` (with
+the model's prompt lookup merged into its trees, :mod:`dart_client.lookup`), ``dart-no-ngram``
+(the pruner with ``ngram_weight=0``), ``dart-no-lookup`` (the paper's trees: no prompt
+lookup), ``dart-remote`` (the pruner served by a ``dart-ngram serve`` daemon; ``--remote auto``
+starts one on an ephemeral loopback port).
 
 Protocol (Spec-Bench's): warm-up runs first, batch size 1, greedy unless a temperature is
 given, ``repetitions`` runs of every (prompt, method), methods interleaved per prompt (their
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The trained head of the embedded default, shipped inside the package.
 EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
-METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-remote")
+METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-no-lookup", "dart-remote")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 
 
@@ -434,8 +436,14 @@ def build_methods(
 
         auto_budget(model)  # once, with the in-process pruner; every DART method shares it
 
-    def dart_model(pruner: Any) -> DartModel:
-        dm = DartModel(model.target, model.head, pruner=pruner, tree_budget=tree_budget)
+    def dart_model(pruner: Any, prompt_lookup: Any = model.prompt_lookup) -> DartModel:
+        dm = DartModel(
+            model.target,
+            model.head,
+            pruner=pruner,
+            tree_budget=tree_budget,
+            prompt_lookup=prompt_lookup,
+        )
         dm.tokenizer = None
         dm.tree_tuning = model.tree_tuning
         return dm
@@ -464,6 +472,15 @@ def build_methods(
                     name,
                     dart_model(Pruner(model.pruner.ngram, cfg)),
                     "DART without the n-gram term (ngram_weight=0)",
+                    tree_budget,
+                )
+            )
+        elif name == "dart-no-lookup":
+            out.append(
+                DartLoopMethod(
+                    name,
+                    dart_model(model.pruner, prompt_lookup=None),
+                    "DART without prompt lookup in the tree (the paper's trees)",
                     tree_budget,
                 )
             )

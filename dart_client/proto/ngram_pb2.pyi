@@ -105,20 +105,22 @@ class PrunerConfig(_message.Message):
     def __init__(self, top_k: _Optional[int] = ..., beam_width: _Optional[int] = ..., max_nodes: _Optional[int] = ..., level_exponent: _Optional[float] = ..., logit_decay: _Optional[float] = ..., ngram_weight: _Optional[float] = ..., ngram_at_level0: _Optional[bool] = ..., eos_id: _Optional[int] = ..., eps: _Optional[float] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("context", "topk_ids", "topk_probs", "levels", "k", "budget")
+    __slots__ = ("context", "topk_ids", "topk_probs", "levels", "k", "budget", "lookup_path")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROBS_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PATH_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     topk_ids: _containers.RepeatedScalarFieldContainer[int]
     topk_probs: _containers.RepeatedScalarFieldContainer[float]
     levels: int
     k: int
     budget: int
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., topk_ids: _Optional[_Iterable[int]] = ..., topk_probs: _Optional[_Iterable[float]] = ..., levels: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
+    lookup_path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., topk_ids: _Optional[_Iterable[int]] = ..., topk_probs: _Optional[_Iterable[float]] = ..., levels: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., lookup_path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("tokens", "parents", "depths", "attention_mask", "retrieve_indices", "retrieve_rows", "retrieve_cols", "scores")

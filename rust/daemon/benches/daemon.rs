@@ -113,6 +113,7 @@ fn drafts(model: &NGramModel, n: usize) -> Vec<proto::Draft> {
                 levels: 8,
                 k: 25,
                 budget: None,
+                lookup_path: Vec::new(),
             }
         })
         .collect()
@@ -169,6 +170,7 @@ fn bench(c: &mut Criterion) {
                     levels: 8,
                     k: 25,
                     budget: None,
+                    lookup_path: &[],
                 })
                 .unwrap()
         })

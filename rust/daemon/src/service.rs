@@ -184,6 +184,7 @@ fn draft_request(d: &proto::Draft) -> DraftRequest<'_> {
         levels: d.levels as usize,
         k: d.k as usize,
         budget: d.budget.map(|b| b as usize),
+        lookup_path: &d.lookup_path,
     }
 }
 

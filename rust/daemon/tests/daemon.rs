@@ -165,6 +165,12 @@ fn random_draft(rng: &mut Rng, levels: usize, k: usize) -> proto::Draft {
         } else {
             None
         },
+        // A prompt-lookup continuation on half of the drafts.
+        lookup_path: if rng.below(2) == 0 {
+            (0..rng.below(9)).map(|_| rng.token()).collect()
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -189,6 +195,7 @@ fn local_request(d: &proto::Draft) -> DraftRequest<'_> {
         levels: d.levels as usize,
         k: d.k as usize,
         budget: d.budget.map(|b| b as usize),
+        lookup_path: &d.lookup_path,
     }
 }
 

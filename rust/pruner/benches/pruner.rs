@@ -180,6 +180,7 @@ fn request(o: &Owned) -> DraftRequest<'_> {
         levels: LEVELS,
         k: K,
         budget: None,
+        lookup_path: &[],
     }
 }
 

@@ -21,6 +21,8 @@ pub(crate) struct Search<'a> {
     pub k: usize,
     pub budget: usize,
     pub eos: Option<u32>,
+    /// At most `budget` tokens.
+    pub lookup_path: &'a [u32],
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -48,6 +50,8 @@ struct Scratch {
     ngram_probs: Vec<f32>,
     ngram_context: Vec<u32>,
     out_index: Vec<u32>,
+    /// Per lookup-path token: its rank among the kept nodes (u32::MAX if not kept).
+    lookup_ranks: Vec<u32>,
 }
 
 thread_local! {
@@ -165,6 +169,7 @@ fn run_with<S: NGramScorer + ?Sized>(
         ngram_probs,
         ngram_context,
         out_index,
+        lookup_ranks,
     } = scratch;
     let &Search {
         context,
@@ -174,6 +179,7 @@ fn run_with<S: NGramScorer + ?Sized>(
         k,
         budget,
         eos,
+        lookup_path,
     } = search;
     let root_token = *context.last().expect("context checked non-empty");
     let eps = config.eps;
@@ -308,6 +314,9 @@ fn run_with<S: NGramScorer + ?Sized>(
     // Every scored node is a candidate for the tree: score descending, then depth ascending
     // (a parent before a child it ties with), then path ascending.
     keep_best(arena, pool, budget, ties);
+    if !lookup_path.is_empty() {
+        graft_lookup_path(arena, pool, lookup_path, budget, lookup_ranks);
+    }
     pool.sort_unstable_by(|a, b| output_order(arena, a.node, b.node));
 
     let n = pool.len() + 1;
@@ -340,6 +349,73 @@ fn run_with<S: NGramScorer + ?Sized>(
         scores.push(node.score);
     }
     Ok(DraftTree::from_nodes(tokens, parents, depths, scores))
+}
+
+/// Makes the kept nodes (`pool`, the `budget` best) hold `path` (at most `budget` tokens):
+/// keeps the largest number `j` of best nodes such that `j` plus the path's nodes missing
+/// from them fits the budget, then adds those missing nodes (score `-inf`).
+fn graft_lookup_path(
+    arena: &mut Vec<Node>,
+    pool: &mut Vec<Ranked>,
+    path: &[u32],
+    budget: usize,
+    ranks: &mut Vec<u32>,
+) {
+    // Rank order: score descending, then depth ascending, then path ascending (a parent
+    // always ranks before its children, so every prefix of the ranking is prefix-closed).
+    pool.sort_unstable_by(|a, b| {
+        a.key.cmp(&b.key).then_with(|| {
+            let (na, nb) = (&arena[a.node as usize], &arena[b.node as usize]);
+            na.depth
+                .cmp(&nb.depth)
+                .then_with(|| cmp_paths(arena, a.node, b.node))
+        })
+    });
+    // The rank of each path node among the kept ones; once one is missing, so are all
+    // deeper ones (the kept set is prefix-closed).
+    ranks.clear();
+    let mut parent = 0u32;
+    for &token in path {
+        let found = pool.iter().position(|r| {
+            let n = &arena[r.node as usize];
+            n.parent == parent && n.token == token
+        });
+        match found {
+            Some(rank) => {
+                ranks.push(rank as u32);
+                parent = pool[rank].node;
+            }
+            None => break,
+        }
+    }
+    ranks.resize(path.len(), u32::MAX);
+    // Keeping the best j nodes costs j + (path nodes ranked at or after j); the cost grows
+    // with j, so the largest j that fits is found walking down from the budget.
+    let missing_from = |j: usize| ranks.iter().filter(|&&r| r as usize >= j).count();
+    let mut keep = budget.min(pool.len());
+    while keep > 0 && keep + missing_from(keep) > budget {
+        keep -= 1;
+    }
+    pool.truncate(keep);
+    let mut parent = 0u32;
+    for (depth, (&token, &rank)) in path.iter().zip(ranks.iter()).enumerate() {
+        parent = if (rank as usize) < keep {
+            pool[rank as usize].node
+        } else {
+            let node = arena.len() as u32;
+            arena.push(Node {
+                score: f64::NEG_INFINITY,
+                parent,
+                token,
+                depth: depth as u32 + 1,
+            });
+            pool.push(Ranked {
+                key: desc_key(f64::NEG_INFINITY),
+                node,
+            });
+            node
+        };
+    }
 }
 
 /// The last `history` tokens of `context ++ path(node)` (fewer if there are not that many).

@@ -4,7 +4,10 @@
 //! `L` levels, the draft's top-`k` token ids and probabilities, [`Pruner::prune`] extends every
 //! beam path by every candidate of the next level, scores it (see [`PrunerConfig`]), keeps the
 //! best `beam_width` paths of each level (paths ending in EOS last) for the next level, and
-//! finally keeps the best `max_nodes` of all scored paths as a [`DraftTree`].
+//! finally keeps the best `max_nodes` of all scored paths as a [`DraftTree`]. A request may
+//! also carry a lookup path (a continuation proposed from the context itself, e.g. by
+//! [`PromptLookup`]): the tree then holds that path and as many of the beam's best nodes as
+//! the budget leaves room for.
 //!
 //! Guarantees: the same input gives the same tree (every ranking is a total order: score
 //! descending, then depth ascending, then the path's token ids ascending); the tree is
@@ -15,6 +18,7 @@
 mod beam;
 pub mod config;
 pub mod error;
+pub mod lookup;
 pub mod scorer;
 pub mod tree;
 
@@ -22,12 +26,13 @@ use rayon::prelude::*;
 
 pub use config::PrunerConfig;
 pub use error::{PrunerError, Result};
+pub use lookup::PromptLookup;
 pub use scorer::NGramScorer;
 pub use tree::DraftTree;
 
 /// One pruning request. `topk_ids` and `topk_probs` are `levels x k`, row-major; row `l`
 /// holds the candidates for the token `l + 1` positions after the root.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct DraftRequest<'a> {
     /// Token ids so far; its last token is the root. Only the last `order - 1` tokens (and the
     /// root) are read.
@@ -39,6 +44,11 @@ pub struct DraftRequest<'a> {
     pub k: usize,
     /// Nodes to keep (the root not counted) instead of the configured `max_nodes`.
     pub budget: Option<usize>,
+    /// Tokens after the root that the tree must hold as one path (empty: none), whatever
+    /// the beam thinks of them; it may be deeper than `levels`. Its nodes count against the
+    /// budget (those the beam kept anyway count once), the beam's best nodes fill the rest,
+    /// and a path longer than the budget is cut to it. New nodes score `-inf`.
+    pub lookup_path: &'a [u32],
 }
 
 /// The pruner: a scorer (an n-gram model, possibly behind an `Arc`) and a configuration.
@@ -113,6 +123,7 @@ impl<S: NGramScorer> Pruner<S> {
             levels,
             k,
             budget,
+            lookup_path,
         } = req;
         if context.is_empty() {
             return Err(PrunerError::InvalidArgument(
@@ -182,6 +193,17 @@ impl<S: NGramScorer> Pruner<S> {
         for (level, row) in topk_ids.chunks_exact(k).enumerate() {
             check_unique(level, row)?;
         }
+        if let Some((i, &t)) = lookup_path
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t >= vocab_size)
+        {
+            return Err(PrunerError::TokenOutOfVocab {
+                what: format!("lookup_path[{i}]"),
+                token: t.into(),
+                vocab_size,
+            });
+        }
         Ok(beam::Search {
             context,
             ids: topk_ids,
@@ -190,6 +212,7 @@ impl<S: NGramScorer> Pruner<S> {
             k,
             budget,
             eos: self.eos,
+            lookup_path: &lookup_path[..lookup_path.len().min(budget)],
         })
     }
 }

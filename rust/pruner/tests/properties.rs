@@ -120,6 +120,7 @@ impl Case {
             levels: self.levels,
             k: self.k,
             budget: self.budget,
+            lookup_path: &[],
         }
     }
 }
@@ -297,6 +298,7 @@ fn hand_computed_tree() {
             levels: 2,
             k: 2,
             budget: None,
+            lookup_path: &[],
         })
         .unwrap();
     let ln = |p: f32| (f64::from(p) + 1e-10).ln();
@@ -332,6 +334,7 @@ fn eos_paths_rank_last_in_the_beam_but_stay_in_the_pool() {
             levels: 2,
             k: 2,
             budget: None,
+            lookup_path: &[],
         })
         .unwrap();
     assert_eq!(tree.tokens[1], 9, "EOS kept in the tree, best score");
@@ -363,6 +366,7 @@ fn eos_paths_rank_last_in_the_beam_but_stay_in_the_pool() {
         levels: 2,
         k: 2,
         budget: None,
+        lookup_path: &[],
     })
     .unwrap();
     assert!(tree
@@ -396,6 +400,7 @@ fn without_ngram_weight_no_lookup_is_made() {
         levels: 2,
         k: 2,
         budget: None,
+        lookup_path: &[],
     };
     let off = PrunerConfig {
         ngram_weight: 0.0,
@@ -432,6 +437,7 @@ fn bad_inputs_are_clear_errors() {
                 levels,
                 k,
                 budget,
+                lookup_path: &[],
             }
         };
     let _ = (ok_ids, ok_p);
@@ -508,6 +514,7 @@ fn bad_inputs_are_clear_errors() {
             levels: 1,
             k: 100,
             budget: None,
+            lookup_path: &[],
         })
         .unwrap_err();
     assert!(
@@ -577,6 +584,7 @@ fn probability_one_never_puts_a_child_above_its_parent() {
             levels: 2,
             k: 1,
             budget: Some(1),
+            lookup_path: &[],
         })
         .unwrap();
     assert_eq!(tree.tokens, vec![1, 2]);
@@ -588,6 +596,7 @@ fn probability_one_never_puts_a_child_above_its_parent() {
             levels: 2,
             k: 1,
             budget: Some(2),
+            lookup_path: &[],
         })
         .unwrap();
     assert_eq!(tree.tokens, vec![1, 2, 3]);
@@ -652,7 +661,7 @@ proptest! {
     #[test]
     fn realistic_sizes_agree_with_slow_reference((docs, context, ids, probs) in realistic_case()) {
         let scorer = BruteScorer::from_documents(3, 60, Some(59), &docs);
-        let req = DraftRequest { context: &context, topk_ids: &ids, topk_probs: &probs, levels: 8, k: 25, budget: None };
+        let req = DraftRequest { context: &context, topk_ids: &ids, topk_probs: &probs, levels: 8, k: 25, budget: None, lookup_path: &[] };
         for config in [PrunerConfig::default(), PrunerConfig { max_nodes: 200, beam_width: 8, ..Default::default() }] {
             let tree = Pruner::new(&scorer, config.clone()).unwrap().prune(&req).unwrap();
             check_structure(&tree, *context.last().unwrap(), config.max_nodes);
@@ -694,6 +703,7 @@ fn paths_ending_alike_share_one_lookup() {
         levels: 4,
         k: 2,
         budget: Some(100),
+        lookup_path: &[],
     };
     let config = PrunerConfig {
         beam_width: 8,
@@ -707,4 +717,80 @@ fn paths_ending_alike_share_one_lookup() {
     // paths ending in (3 4) (3 5) (0 4) (0 5): 4 distinct. 2 + 4 + 4 = 10 instead of 14.
     assert_eq!(counting.1.load(Ordering::Relaxed), 10);
     assert_matches_slow(&tree, &slow_prune(&counting.0, &config, &req));
+}
+
+/// The token paths (root excluded) of a tree's nodes, optionally only the beam's (finite
+/// score) nodes.
+fn node_paths(tree: &DraftTree, beam_only: bool) -> HashSet<Vec<i64>> {
+    (1..tree.len())
+        .filter(|&i| !beam_only || tree.scores[i].is_finite())
+        .map(|i| tree.path(i))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 800, ..ProptestConfig::default() })]
+
+    #[test]
+    fn lookup_path_is_held_and_the_beam_fills_the_rest(
+        case in case_strategy(),
+        path_seed in prop::collection::vec(0u32..64, 0..9),
+    ) {
+        let scorer = case.scorer();
+        let pruner = Pruner::new(&scorer, case.config.clone()).unwrap();
+        let budget = case.budget.unwrap_or(case.config.max_nodes);
+        let path: Vec<u32> = path_seed.iter().map(|t| t % case.vocab).collect();
+        let req = DraftRequest { lookup_path: &path, ..case.request() };
+        let tree = pruner.prune(&req).unwrap();
+        check_structure(&tree, *case.context.last().unwrap(), budget);
+        // The path, cut to the budget, is in the tree.
+        let held = &path[..path.len().min(budget)];
+        let paths = node_paths(&tree, false);
+        for d in 1..=held.len() {
+            let prefix: Vec<i64> = held[..d].iter().map(|&t| i64::from(t)).collect();
+            prop_assert!(paths.contains(&prefix), "path prefix {:?} missing", prefix);
+        }
+        // The beam's nodes are exactly the plain tree of that many nodes...
+        let beam = node_paths(&tree, true);
+        let plain = |j: usize| {
+            if j == 0 {
+                return HashSet::new();
+            }
+            node_paths(&pruner.prune(&DraftRequest { budget: Some(j), ..case.request() }).unwrap(), false)
+        };
+        let j = beam.len();
+        prop_assert_eq!(&beam, &plain(j));
+        // ... and one more would not fit beside the path.
+        let all = plain(budget);
+        if j < all.len() {
+            let more = plain(j + 1);
+            let missing = (1..=held.len())
+                .filter(|&d| !more.contains(&held[..d].iter().map(|&t| i64::from(t)).collect::<Vec<_>>()))
+                .count();
+            prop_assert!(j + 1 + missing > budget, "kept {} beam nodes; {} fit", j, j + 1);
+        }
+        // An empty path changes nothing.
+        if path.is_empty() {
+            prop_assert_eq!(&tree, &pruner.prune(&case.request()).unwrap());
+        }
+    }
+}
+
+#[test]
+fn lookup_path_out_of_vocabulary_is_an_error() {
+    let scorer = tiny_scorer();
+    let vocab = scorer.vocab_size();
+    let (ids, probs) = (vec![1u32, 2], vec![0.6f32, 0.4]);
+    let path = [1u32, vocab];
+    let req = DraftRequest {
+        context: &[0],
+        topk_ids: &ids,
+        topk_probs: &probs,
+        levels: 1,
+        k: 2,
+        budget: None,
+        lookup_path: &path,
+    };
+    let msg = err_of(&scorer, PrunerConfig::default(), req);
+    assert!(msg.contains("lookup_path[1]"), "{msg}");
 }

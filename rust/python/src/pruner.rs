@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use dart_ngram::NGramModel;
-use dart_pruner::{DraftRequest, DraftTree, Pruner, PrunerConfig};
+use dart_pruner::{DraftRequest, DraftTree, PromptLookup, Pruner, PrunerConfig};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
@@ -98,6 +98,7 @@ fn non_negative(name: &str, v: i64) -> PyResult<usize> {
 struct Owned {
     context: Vec<u32>,
     ids: Vec<u32>,
+    lookup: Vec<u32>,
 }
 
 /// A pruner over a mapped n-gram model (see `dart_client.pruner.Pruner`).
@@ -161,7 +162,10 @@ impl PyPruner {
 
     /// `context` may be the tail of the caller's context: `context_offset` is the index of
     /// its first token there (for error messages).
-    #[pyo3(signature = (context, topk_ids, topk_probs, budget=None, context_offset=0))]
+    /// `lookup_path`: tokens after the root the tree must hold (see `DraftRequest`).
+    #[pyo3(signature = (context, topk_ids, topk_probs, budget=None, context_offset=0,
+                        lookup_path=None))]
+    #[allow(clippy::too_many_arguments)]
     fn prune<'py>(
         &self,
         py: Python<'py>,
@@ -170,6 +174,7 @@ impl PyPruner {
         topk_probs: PyReadonlyArray2<'py, f32>,
         budget: Option<i64>,
         context_offset: usize,
+        lookup_path: Option<PyReadonlyArray1<'py, i64>>,
     ) -> PyResult<PyTree<'py>> {
         let (levels, k) = (topk_ids.shape()[0], topk_ids.shape()[1]);
         if topk_probs.shape() != topk_ids.shape() {
@@ -183,11 +188,16 @@ impl PyPruner {
         let ctx = contiguous(&context, "context")?;
         let ids = contiguous(&topk_ids, "topk_ids")?;
         let probs = contiguous(&topk_probs, "topk_probs")?;
+        let lookup = match &lookup_path {
+            Some(a) => contiguous(a, "lookup_path")?,
+            None => &[],
+        };
         let vocab = self.inner.scorer().vocab_size();
         let tree = py.detach(|| -> PyResult<DraftTree> {
             let owned = Owned {
                 context: ids_u32(ctx, vocab, |i| format!("context[{}]", context_offset + i))?,
                 ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+                lookup: ids_u32(lookup, vocab, |i| format!("lookup_path[{i}]"))?,
             };
             self.inner
                 .prune(&request(&owned, probs, levels, k, budget))
@@ -216,6 +226,7 @@ impl PyPruner {
             let owned = Owned {
                 context: ids_u32(ctx, vocab, |i| format!("context[{i}]"))?,
                 ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+                lookup: Vec::new(),
             };
             let req = request(&owned, probs, levels, k, None);
             (0..repeats)
@@ -231,8 +242,11 @@ impl PyPruner {
         Ok(PyArray1::from_vec(py, times))
     }
 
-    /// `context_offsets[b]`: as `context_offset` of `prune`, per request.
-    #[pyo3(signature = (contexts, topk_ids, topk_probs, budgets=None, context_offsets=None))]
+    /// `context_offsets[b]` and `lookup_paths[b]`: as `context_offset` and `lookup_path` of
+    /// `prune`, per request.
+    #[pyo3(signature = (contexts, topk_ids, topk_probs, budgets=None, context_offsets=None,
+                        lookup_paths=None))]
+    #[allow(clippy::too_many_arguments)]
     fn prune_batch<'py>(
         &self,
         py: Python<'py>,
@@ -241,6 +255,7 @@ impl PyPruner {
         topk_probs: PyReadonlyArray3<'py, f32>,
         budgets: Option<Vec<Option<i64>>>,
         context_offsets: Option<Vec<usize>>,
+        lookup_paths: Option<Vec<Option<PyReadonlyArray1<'py, i64>>>>,
     ) -> PyResult<Vec<PyTree<'py>>> {
         let shape = topk_ids.shape();
         let (batch, levels, k) = (shape[0], shape[1], shape[2]);
@@ -288,6 +303,21 @@ impl PyPruner {
                 offsets.len()
             )));
         }
+        let lookup_paths = lookup_paths.unwrap_or_else(|| (0..batch).map(|_| None).collect());
+        if lookup_paths.len() != batch {
+            return Err(PrunerError::new_err(format!(
+                "{} lookup paths for a batch of {batch}; expected one per request (or None)",
+                lookup_paths.len()
+            )));
+        }
+        let lookups: Vec<&[i64]> = lookup_paths
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Some(a) => contiguous(a, &format!("lookup_paths[{i}]")),
+                None => Ok(&[][..]),
+            })
+            .collect::<PyResult<_>>()?;
         let cells = levels * k;
         let vocab = self.inner.scorer().vocab_size();
         let trees = py.detach(|| -> PyResult<Vec<DraftTree>> {
@@ -300,6 +330,7 @@ impl PyPruner {
                         ids: ids_u32(&ids[b * cells..(b + 1) * cells], vocab, |i| {
                             format!("topk_ids[{b}][{}][{}]", i / k, i % k)
                         })?,
+                        lookup: ids_u32(lookups[b], vocab, |i| format!("lookup_paths[{b}][{i}]"))?,
                     })
                 })
                 .collect::<PyResult<_>>()?;
@@ -342,6 +373,65 @@ fn request<'a>(
         levels,
         k,
         budget,
+        lookup_path: &o.lookup,
+    }
+}
+
+/// `dart_pruner::PromptLookup`: an incremental prompt-lookup index over one sequence (see
+/// `dart_client.pruner.PromptLookup`).
+#[pyclass(name = "PromptLookup", module = "dart_client._native")]
+pub struct PyPromptLookup {
+    inner: PromptLookup,
+}
+
+#[pymethods]
+impl PyPromptLookup {
+    #[new]
+    #[pyo3(signature = (min_ngram=1, max_ngram=3))]
+    fn new(min_ngram: usize, max_ngram: usize) -> PyResult<Self> {
+        let inner = PromptLookup::new(min_ngram, max_ngram).map_err(to_py_err)?;
+        Ok(PyPromptLookup { inner })
+    }
+
+    #[getter]
+    fn min_ngram(&self) -> usize {
+        self.inner.min_ngram()
+    }
+
+    #[getter]
+    fn max_ngram(&self) -> usize {
+        self.inner.max_ngram()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+
+    /// Appends token ids (non-negative integers below 2^32).
+    fn extend(&mut self, tokens: Vec<i64>) -> PyResult<()> {
+        let ids = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                u32::try_from(t).map_err(|_| {
+                    TokenOutOfVocabError::new_err(format!(
+                        "tokens[{i}] = {t} is not a token id (expected 0 <= id < 2^32)"
+                    ))
+                })
+            })
+            .collect::<PyResult<Vec<u32>>>()?;
+        self.inner.extend(&ids);
+        Ok(())
+    }
+
+    /// The continuation of the latest earlier match of the longest matching suffix, at most
+    /// `max_tokens` ids (empty when nothing matches).
+    fn propose(&self, max_tokens: usize) -> Vec<u32> {
+        self.inner.propose(max_tokens).to_vec()
     }
 }
 
@@ -364,6 +454,7 @@ fn pruner_config_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPruner>()?;
+    m.add_class::<PyPromptLookup>()?;
     m.add("PrunerError", m.py().get_type::<PrunerError>())?;
     m.add_function(wrap_pyfunction!(pruner_config_defaults, m)?)?;
     Ok(())

@@ -531,8 +531,9 @@ impl PyDaemonClient {
         ))
     }
 
-    /// One draft tree: `context` (its tail), `topk_ids`/`topk_probs` of shape (levels, k).
-    #[pyo3(signature = (config, context, topk_ids, topk_probs, budget, timeout))]
+    /// One draft tree: `context` (its tail), `topk_ids`/`topk_probs` of shape (levels, k),
+    /// `lookup_path` the path the tree must hold (may be empty).
+    #[pyo3(signature = (config, context, topk_ids, topk_probs, budget, timeout, lookup_path=None))]
     #[allow(clippy::too_many_arguments)]
     fn prune<'py>(
         &self,
@@ -543,10 +544,15 @@ impl PyDaemonClient {
         topk_probs: numpy::PyReadonlyArray2<'py, f32>,
         budget: Option<u32>,
         timeout: f64,
+        lookup_path: Option<PyReadonlyArray1<'py, i64>>,
     ) -> PyResult<PyTree<'py>> {
         let (conn, t) = (self.conn()?, deadline(timeout)?);
+        let mut draft = draft(&context, &topk_ids, &topk_probs, budget)?;
+        if let Some(path) = &lookup_path {
+            draft.lookup_path = wire_ids(path, |i| format!("lookup_path[{i}]"))?;
+        }
         let req = proto::PruneRequest {
-            draft: Some(draft(&context, &topk_ids, &topk_probs, budget)?),
+            draft: Some(draft),
             config: Some(config.get().inner),
         };
         let r = py.detach(|| {
@@ -562,8 +568,9 @@ impl PyDaemonClient {
     }
 
     /// Many trees in one call: `contexts` B tails, `topk_ids`/`topk_probs` (B, levels, k),
-    /// `budgets` B values (or None).
-    #[pyo3(signature = (config, contexts, topk_ids, topk_probs, budgets, timeout))]
+    /// `budgets` B values (or None), `lookup_paths` B paths (or None).
+    #[pyo3(signature = (config, contexts, topk_ids, topk_probs, budgets, timeout,
+                        lookup_paths=None))]
     #[allow(clippy::too_many_arguments)]
     fn prune_batch<'py>(
         &self,
@@ -574,6 +581,7 @@ impl PyDaemonClient {
         topk_probs: numpy::PyReadonlyArray3<'py, f32>,
         budgets: Option<Vec<Option<u32>>>,
         timeout: f64,
+        lookup_paths: Option<Vec<Option<PyReadonlyArray1<'py, i64>>>>,
     ) -> PyResult<Vec<PyTree<'py>>> {
         let (conn, t) = (self.conn()?, deadline(timeout)?);
         let shape = topk_ids.shape().to_vec();
@@ -590,6 +598,12 @@ impl PyDaemonClient {
             return Err(PyValueError::new_err(format!(
                 "budgets for {} drafts in a batch of {batch}",
                 budgets.as_ref().map_or(0, Vec::len)
+            )));
+        }
+        if lookup_paths.as_ref().is_some_and(|p| p.len() != batch) {
+            return Err(PyValueError::new_err(format!(
+                "lookup paths for {} drafts in a batch of {batch}",
+                lookup_paths.as_ref().map_or(0, Vec::len)
             )));
         }
         let (levels, k) = (shape[1], shape[2]);
@@ -609,6 +623,10 @@ impl PyDaemonClient {
                     levels: wire_u32(levels, "levels")?,
                     k: wire_u32(k, "k")?,
                     budget: budgets.as_ref().and_then(|v| v[b]),
+                    lookup_path: match lookup_paths.as_ref().and_then(|v| v[b].as_ref()) {
+                        Some(p) => wire_ids(p, |i| format!("lookup_paths[{b}][{i}]"))?,
+                        None => Vec::new(),
+                    },
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -660,6 +678,7 @@ fn draft(
         levels: wire_u32(topk_ids.shape()[0], "levels")?,
         k: wire_u32(topk_ids.shape()[1], "k")?,
         budget,
+        lookup_path: Vec::new(),
     })
 }
 
