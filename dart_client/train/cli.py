@@ -244,6 +244,12 @@ def eval_parser() -> argparse.ArgumentParser:
         "--ngram",
         help="n-gram model for the pruner (tree); without it the draft is the top-1 chain",
     )
+    p.add_argument(
+        "--tree-budget", type=int, default=None, help="tau: draft nodes per step (default 60)"
+    )
+    from dart_client.cli import add_prompt_lookup_argument
+
+    add_prompt_lookup_argument(p)
     return p
 
 
@@ -339,8 +345,15 @@ def _tau(
         if len(prompts) >= args.tau_prompts:
             break
     if args.ngram:
-        dart = DartModel(model, head, tokenizer=tokenizer, ngram=load_ngram(args.ngram))
-        tree = "pruner"
+        dart = DartModel(
+            model,
+            head,
+            tokenizer=tokenizer,
+            ngram=load_ngram(args.ngram),
+            tree_budget=args.tree_budget,
+            prompt_lookup=args.prompt_lookup,
+        )
+        tree = "pruner" + (f" + prompt lookup {args.prompt_lookup}" if args.prompt_lookup else "")
     else:
         dart = DartModel(model, head, tokenizer=tokenizer, tree_builder=TopPathTreeBuilder())
         tree = "chain"
