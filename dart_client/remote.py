@@ -420,6 +420,20 @@ def _k(k: int) -> int:
     return int(k)
 
 
+def _per_draft(
+    values: Sequence[Any] | None, name: str, batch: int, convert: Callable[[Any, str], T]
+) -> list[T] | None:
+    """One converted value per draft of a batch (None: none given)."""
+    if values is None:
+        return None
+    if len(values) != batch:
+        raise RemoteInvalidArgumentError(
+            f"{len(values)} {name} for a batch of {batch} drafts; expected one per draft "
+            f"(or {name}=None)"
+        )
+    return [convert(v, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
 def _path(path: Any, what: str) -> np.ndarray | None:
     """A lookup path as int64 ids (None or empty: no path)."""
     if path is None:
@@ -524,26 +538,9 @@ class RemotePruner:
                 f"{len(ctxs)} contexts for a batch of {ids.shape[0]} drafts; expected one "
                 "context per draft"
             )
-        if budgets is not None and len(budgets) != ids.shape[0]:
-            raise RemoteInvalidArgumentError(
-                f"{len(budgets)} budgets for a batch of {ids.shape[0]} drafts; expected one "
-                "per draft (or budgets=None)"
-            )
-        wire_budgets = (
-            None
-            if budgets is None
-            else [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
-        )
-        if lookup_paths is not None and len(lookup_paths) != ids.shape[0]:
-            raise RemoteInvalidArgumentError(
-                f"{len(lookup_paths)} lookup paths for a batch of {ids.shape[0]} drafts; "
-                "expected one per draft (or lookup_paths=None)"
-            )
-        wire_paths = (
-            None
-            if lookup_paths is None
-            else [_path(p, f"lookup_paths[{i}]") for i, p in enumerate(lookup_paths)]
-        )
+        batch = ids.shape[0]
+        wire_budgets = _per_draft(budgets, "budgets", batch, _budget)
+        wire_paths = _per_draft(lookup_paths, "lookup_paths", batch, _path)
         ngram = self.ngram
         out = ngram._call(
             "PruneBatch",

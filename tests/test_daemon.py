@@ -368,6 +368,11 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
         pruner.prune(ctx, ids, probs, budget=0)
     with pytest.raises(TokenOutOfVocabError, match=r"lookup_path\[1\]"):
         pruner.prune(ctx, ids, probs, lookup_path=[1, v + 2])
+    two = (np.stack([ids, ids]), np.stack([probs, probs]))
+    with pytest.raises(RemoteInvalidArgumentError, match="1 lookup_paths for a batch of 2"):
+        pruner.prune_batch([ctx, ctx], *two, lookup_paths=[[1]])
+    with pytest.raises(RemoteInvalidArgumentError, match="3 budgets for a batch of 2"):
+        pruner.prune_batch([ctx, ctx], *two, budgets=[1, 2, 3])
     with pytest.raises(RemoteInvalidArgumentError, match="drafts\\[1\\]"):
         oov = ids.copy()
         oov[0, 0] = v
