@@ -33,7 +33,7 @@ import torch
 
 from dart_client.draft import DraftRows, draft_rows
 from dart_client.errors import InvalidArgumentError
-from dart_client.generate import PRUNER_CONTEXT, ar_generate
+from dart_client.generate import PRUNER_CONTEXT, ar_generate, build_tree
 from dart_client.verify import Tree, verify_tree
 
 if TYPE_CHECKING:
@@ -335,10 +335,7 @@ class _Calibration:
             if config is not None:
                 path = self.lookups[root - self.prompt_len][: config.path_length(budget)]
             t0 = self.clock()
-            if path is not None and path.size:
-                tree = self.model.tree_builder.build(context, rows, budget, lookup_path=path)
-            else:
-                tree = self.model.tree_builder.build(context, rows, budget)
+            tree = build_tree(self.model.tree_builder, context, rows, budget, path)
             seconds = self.clock() - t0
             self._memo[key] = (1 + _matched_depth(tree, self.seq, root), seconds)
         return self._memo[key]

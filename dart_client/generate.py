@@ -82,6 +82,20 @@ class PrunerTreeBuilder:
         return Tree.from_draft_tree(tree)
 
 
+def build_tree(
+    builder: TreeBuilder,
+    context: np.ndarray,
+    rows: DraftRows,
+    budget: int,
+    lookup_path: np.ndarray | None,
+) -> Tree:
+    """``builder.build``, passing ``lookup_path`` only when there is one (a builder written
+    before prompt lookup need not take it)."""
+    if lookup_path is None or not lookup_path.size:
+        return builder.build(context, rows, budget)
+    return builder.build(context, rows, budget, lookup_path=lookup_path)
+
+
 @dataclass
 class GenerationResult:
     """What a generation produced, and how fast.
@@ -360,7 +374,6 @@ class _Run:
         self.detok = IncrementalText(tokenizer) if tokenizer is not None else None
         self.stop_scanned = 0  # characters of self.detok.text already searched for stops
         lookup = model.prompt_lookup if mode == "dart" else None
-        self.lookup = lookup
         self.lookup_index = lookup.new_index() if lookup is not None else None
         if self.lookup_index is not None:
             self.lookup_index.extend(ids)
@@ -446,15 +459,12 @@ class _Run:
                     dtype=np.int64,
                 )
                 path = None
-                if self.lookup is not None and self.lookup_index is not None:
-                    index = self.lookup_index
+                index = self.lookup_index
+                if index is not None:
+                    assert self.model.prompt_lookup is not None
                     index.extend(self.generated[len(index) - prompt_len :])
-                    path = self.lookup.path(index, budget)
-                tree = (
-                    self.model.tree_builder.build(context, rows, budget, lookup_path=path)
-                    if path is not None
-                    else self.model.tree_builder.build(context, rows, budget)
-                )
+                    path = self.model.prompt_lookup.path(index, budget)
+                tree = build_tree(self.model.tree_builder, context, rows, budget, path)
             else:
                 tree = Tree.root_only(root)
             t = self._lap(t, "prune", step)

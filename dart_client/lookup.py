@@ -28,8 +28,8 @@ PromptLookup = _native.PromptLookup
 
 __all__ = ["PromptLookup", "PromptLookupConfig"]
 
-#: The longest suffix the index matches (four 32-bit ids per key).
-MAX_NGRAM = 4
+#: The longest suffix the index matches (four 32-bit ids per key), from the Rust side.
+MAX_NGRAM: int = _native.PROMPT_LOOKUP_MAX_NGRAM
 
 
 @dataclass(frozen=True)

@@ -378,7 +378,7 @@ fn request<'a>(
 }
 
 /// `dart_pruner::PromptLookup`: an incremental prompt-lookup index over one sequence (see
-/// `dart_client.pruner.PromptLookup`).
+/// `dart_client.lookup`).
 #[pyclass(name = "PromptLookup", module = "dart_client._native")]
 pub struct PyPromptLookup {
     inner: PromptLookup,
@@ -455,6 +455,7 @@ fn pruner_config_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPruner>()?;
     m.add_class::<PyPromptLookup>()?;
+    m.add("PROMPT_LOOKUP_MAX_NGRAM", dart_pruner::lookup::MAX_NGRAM)?;
     m.add("PrunerError", m.py().get_type::<PrunerError>())?;
     m.add_function(wrap_pyfunction!(pruner_config_defaults, m)?)?;
     Ok(())

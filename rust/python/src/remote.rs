@@ -547,12 +547,14 @@ impl PyDaemonClient {
         lookup_path: Option<PyReadonlyArray1<'py, i64>>,
     ) -> PyResult<PyTree<'py>> {
         let (conn, t) = (self.conn()?, deadline(timeout)?);
-        let mut draft = draft(&context, &topk_ids, &topk_probs, budget)?;
-        if let Some(path) = &lookup_path {
-            draft.lookup_path = wire_ids(path, |i| format!("lookup_path[{i}]"))?;
-        }
         let req = proto::PruneRequest {
-            draft: Some(draft),
+            draft: Some(draft(
+                &context,
+                &topk_ids,
+                &topk_probs,
+                budget,
+                lookup_path.as_ref(),
+            )?),
             config: Some(config.get().inner),
         };
         let r = py.detach(|| {
@@ -662,6 +664,7 @@ fn draft(
     topk_ids: &numpy::PyReadonlyArray2<'_, i64>,
     topk_probs: &numpy::PyReadonlyArray2<'_, f32>,
     budget: Option<u32>,
+    lookup_path: Option<&PyReadonlyArray1<'_, i64>>,
 ) -> PyResult<proto::Draft> {
     if topk_ids.shape() != topk_probs.shape() {
         return Err(PyValueError::new_err(format!(
@@ -678,7 +681,10 @@ fn draft(
         levels: wire_u32(topk_ids.shape()[0], "levels")?,
         k: wire_u32(topk_ids.shape()[1], "k")?,
         budget,
-        lookup_path: Vec::new(),
+        lookup_path: match lookup_path {
+            Some(p) => wire_ids(p, |i| format!("lookup_path[{i}]"))?,
+            None => Vec::new(),
+        },
     })
 }
 
