@@ -41,12 +41,15 @@ class PreallocatedLayer(DynamicLayer):
     layer per step -- costs an integer store, not two tensor slices.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, storage: StackedStorage | None = None) -> None:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        #: Where the buffers come from: one block for every layer of a cache (so that
+        #: compaction is one copy, not two per layer), or None for a buffer of its own.
+        self.storage = storage
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -66,11 +69,16 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        b, h, _, d = key_states.shape
-        self._k = key_states.new_empty((b, h, self.capacity, d))
-        self._v = value_states.new_empty(
-            (b, value_states.shape[1], self.capacity, value_states.shape[3])
-        )
+        views = None if self.storage is None else self.storage.views(self, key_states, value_states)
+        if views is None:
+            b, h, _, d = key_states.shape
+            views = (
+                key_states.new_empty((b, h, self.capacity, d)),
+                value_states.new_empty(
+                    (b, value_states.shape[1], self.capacity, value_states.shape[3])
+                ),
+            )
+        self._k, self._v = views
         self.is_initialized = True
 
     def update(
@@ -127,11 +135,71 @@ def _views_only(value: torch.Tensor | None) -> None:
         )
 
 
+class StackedStorage:
+    """The K/V buffers of every layer of one cache in a single block
+    ``(layers, 2, batch, kv_heads, capacity, head_dim)``, allocated when the first layer
+    first stores keys.
+
+    Compacting accepted tree nodes is then one ``index_select`` and one copy over all layers
+    at once instead of four small ops per layer (120 for SmolLM2's 30 layers: half a
+    millisecond per step on a CPU, as many kernel launches on a GPU). A layer whose K/V do not
+    match the first layer's shape or dtype (no model we know, but nothing forbids it) gets a
+    buffer of its own, and compaction falls back to per-layer copies.
+    """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.block: torch.Tensor | None = None
+        #: False once some layer could not use the block.
+        self.complete = True
+        self._slots: dict[int, int] = {}
+
+    def views(
+        self, layer: PreallocatedLayer, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s (K, V) buffers in the block, or None when its K/V cannot live there."""
+        b, h, _, d = keys.shape
+        if self.block is None:
+            if values.shape[1] != h or values.shape[3] != d or values.dtype != keys.dtype:
+                self.complete = False
+                return None
+            self.block = keys.new_empty((self.num_layers, 2, b, h, self.capacity, d))
+        block = self.block
+        slot = len(self._slots)
+        if (
+            slot >= self.num_layers
+            or keys.shape[:2] != block.shape[2:4]
+            or keys.shape[3] != d
+            or values.shape != keys.shape
+            or keys.dtype != block.dtype
+            or keys.device != block.device
+        ):
+            self.complete = False
+            return None
+        self._slots[id(layer)] = slot
+        return block[slot, 0], block[slot, 1]
+
+    def compact(self, start: int, keep: torch.Tensor) -> bool:
+        """Move positions ``keep`` to ``start..`` in every layer at once; False when the
+        layers do not all live in the block (the caller compacts each layer then)."""
+        block = self.block
+        if block is None or not self.complete or len(self._slots) != self.num_layers:
+            return False
+        n = int(keep.numel())
+        # index_select copies first, so overlapping source and destination are safe.
+        block[:, :, :, :, start : start + n] = block.index_select(4, keep)
+        return True
+
+
 class TargetCache(Cache):
     """A transformers ``Cache`` of :class:`PreallocatedLayer` with tree-compaction helpers."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.storage = StackedStorage(num_layers, capacity)
+        super().__init__(
+            layers=[PreallocatedLayer(capacity, self.storage) for _ in range(num_layers)]
+        )
         self.capacity = capacity
 
     @property
@@ -152,6 +220,9 @@ class TargetCache(Cache):
             self.truncate(start + n)  # already in place: a crop suffices
             return
         keep = torch.tensor([start + i for i in node_indices], dtype=torch.long, device=device)
+        if self.storage.compact(start, keep):
+            self.truncate(start + n)
+            return
         for layer in self.layers:
             assert isinstance(layer, PreallocatedLayer)
             layer.compact(start, keep)
