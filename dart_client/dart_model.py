@@ -36,6 +36,17 @@ DEFAULT_DRAFT_TOP_K = 25
 DEFAULT_LOOKUP: Any = "default"
 
 
+def gguf_unpacked() -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that load a GGUF file's weights unpacked into
+    the requested dtype. transformers' GGUF loader unpacks them anyway; saying so spares users
+    its warning that the weights "stay quantized", which it prints although they do not."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # transformers before GgufConfig: always unpacks, says nothing
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 class DartModel:
     """Target + DART head + tree builder (the Rust pruner over an n-gram model).
 
@@ -153,15 +164,8 @@ class DartModel:
             load_kwargs["gguf_file"] = base.name
             if device_map in (None, "cpu") and "quantization_config" not in load_kwargs:
                 # On the CPU the weights are unpacked into torch_dtype (the decoding kernels
-                # repack them for oneDNN). Saying so explicitly also spares users transformers'
-                # warning that the weights "stay quantized", which its legacy GGUF loader
-                # prints although it unpacks them.
-                try:
-                    from transformers import GgufConfig
-                except ImportError:  # transformers before GgufConfig: always unpacks
-                    pass
-                else:
-                    load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+                # repack them for oneDNN).
+                load_kwargs.update(gguf_unpacked())
         else:
             location, tok_kwargs = str(base_model_name_or_path), {}
         tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)

@@ -158,9 +158,13 @@ def load_smollm2(dtype: object) -> tuple[object, object]:
     """The real SmolLM2-135M-Instruct target and tokenizer, loaded from the GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dart_client.dart_model import gguf_unpacked
+
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(export_smollm2_tokenizer()))
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype, **gguf_unpacked()
+    )
     return model.eval(), tok
 
 

@@ -22,6 +22,7 @@ def load_target(spec: str | None, dtype: str) -> tuple[Any, Any, str]:
     or the embedded default SmolLM2-135M-Instruct when ``spec`` is None."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dart_client.dart_model import gguf_unpacked
     from dart_client.train.trainer import DTYPES
 
     torch_dtype = DTYPES[dtype]
@@ -34,7 +35,7 @@ def load_target(spec: str | None, dtype: str) -> tuple[Any, Any, str]:
         if not path.is_file():
             raise DartError(f"{path}: GGUF file not found")
         model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch_dtype
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype, **gguf_unpacked()
         )
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
