@@ -137,6 +137,24 @@ def test_batched_forms_equal_single_calls(small: tuple[NGram, Counter[tuple[int,
     assert ng.prob_batch(np.zeros((0, 2), int), np.zeros((0, 3), int))[0].shape == (0, 3)
 
 
+def test_fortran_order_arrays_read_row_major(
+    small: tuple[NGram, Counter[tuple[int, ...]]],
+) -> None:
+    """The wrapper reads any layout in row-major order; the native method refuses a layout
+    it would otherwise read transposed."""
+    from dart_client import _native
+
+    ng, _ = small
+    rng = np.random.default_rng(1)
+    contexts = rng.integers(0, 8, size=(6, 3))
+    cands = rng.integers(0, 8, size=(6, 4))
+    want = ng.prob_batch(contexts, cands)[0]
+    got = ng.prob_batch(np.asfortranarray(contexts), np.asfortranarray(cands))[0]
+    assert np.array_equal(got, want)
+    with pytest.raises(NGramError, match="C-contiguous"):
+        _native.NGram.prob_batch(ng, np.asfortranarray(contexts), cands)
+
+
 def test_torch_tensors_and_lists_are_accepted(
     small: tuple[NGram, Counter[tuple[int, ...]]],
 ) -> None:

@@ -599,7 +599,8 @@ class DartHead(nn.Module):
 
     @property
     def draft_to_target_numpy(self) -> np.ndarray:
-        """:attr:`draft_to_target` as an int64 numpy array on the CPU (cached)."""
+        """:attr:`draft_to_target` as a uint32 numpy array on the CPU (cached), the form the
+        native top-k reads."""
         return self._draft_map()[1]
 
     def _draft_map(self) -> tuple[torch.Tensor, np.ndarray]:
@@ -608,7 +609,7 @@ class DartHead(nn.Module):
         cached = self._draft_to_target
         if cached is None or cached[0] != key:
             ids = d2t + torch.arange(d2t.numel(), device=d2t.device, dtype=torch.int64)
-            cached = (key, ids, ids.cpu().numpy())
+            cached = (key, ids, ids.cpu().numpy().astype(np.uint32))
             self._draft_to_target = cached
         return cached[1], cached[2]
 

@@ -10,7 +10,8 @@
 //! Benches: `single/*` (one request, one thread; `no_ngram` leaves lookups out),
 //! `lookups/replay` (exactly the n-gram lookups of one `single/ngram` request, replayed, so
 //! their share of the time is `replay / single`), `batch/*` (`prune_batch` of 1, 8, 32, 64
-//! requests vs a sequential loop).
+//! requests vs a sequential loop), `top_k_rows/*` (the draft rows the pruner reads, from
+//! the head's logits).
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -382,5 +383,26 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(pruner_benches, benches);
+/// `top_k_rows` on the shipped SmolLM2 head's shape: 4 rows of an 8192-token draft
+/// vocabulary, k = 25, bf16 bits and f32.
+fn draft_rows(c: &mut Criterion) {
+    let mut rng = Rng(7);
+    let (rows, vocab) = (4usize, 8192usize);
+    let logits: Vec<f32> = (0..rows * vocab)
+        .map(|_| (rng.unit() * 12.0 - 6.0) as f32)
+        .collect();
+    let bits: Vec<u16> = logits.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let d2t: Vec<u32> = (0..vocab as u32).map(|i| i * 5).collect();
+    let mut g = c.benchmark_group("top_k_rows");
+    g.throughput(Throughput::Elements((rows * vocab) as u64));
+    g.bench_function("bf16_4x8192_k25", |b| {
+        b.iter(|| black_box(dart_pruner::top_k_rows(&bits, rows, K, Some(&d2t))))
+    });
+    g.bench_function("f32_4x8192_k25", |b| {
+        b.iter(|| black_box(dart_pruner::top_k_rows(&logits, rows, K, Some(&d2t))))
+    });
+    g.finish();
+}
+
+criterion_group!(pruner_benches, benches, draft_rows);
 criterion_main!(pruner_benches);

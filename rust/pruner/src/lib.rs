@@ -19,6 +19,7 @@ mod beam;
 pub mod config;
 pub mod error;
 pub mod lookup;
+pub mod rows;
 pub mod scorer;
 pub mod tree;
 
@@ -27,6 +28,7 @@ use rayon::prelude::*;
 pub use config::PrunerConfig;
 pub use error::{PrunerError, Result};
 pub use lookup::PromptLookup;
+pub use rows::{top_k_rows, Logit, TopKRows};
 pub use scorer::NGramScorer;
 pub use tree::DraftTree;
 

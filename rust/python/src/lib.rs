@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod arrays;
 pub mod build;
 pub mod errors;
 pub mod ngram;

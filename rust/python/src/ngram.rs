@@ -14,6 +14,7 @@ use numpy::{
 use pyo3::prelude::*;
 use rayon::prelude::*;
 
+use crate::arrays::c_order;
 use crate::errors::{to_py, NGramError, TokenOutOfVocabError};
 
 /// Two numpy arrays returned together (probabilities and matched lengths, or ids and probs).
@@ -49,8 +50,7 @@ fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
     what: &str,
 ) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| NGramError::new_err(format!("{what} must be a C-contiguous array")))
+    c_order(a).ok_or_else(|| NGramError::new_err(format!("{what} must be a C-contiguous array")))
 }
 
 fn json_to_py(py: Python<'_>, v: &impl serde::Serialize) -> PyResult<Py<PyAny>> {

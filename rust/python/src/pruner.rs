@@ -20,6 +20,7 @@ use pyo3::types::PyDict;
 
 type CoreError = dart_pruner::PrunerError;
 
+use crate::arrays::c_order;
 use crate::errors::{to_py, TokenOutOfVocabError};
 use crate::ngram::PyNGram;
 
@@ -85,8 +86,7 @@ fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
     what: &str,
 ) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| PrunerError::new_err(format!("{what} must be a C-contiguous array")))
+    c_order(a).ok_or_else(|| PrunerError::new_err(format!("{what} must be a C-contiguous array")))
 }
 
 fn non_negative(name: &str, v: i64) -> PyResult<usize> {
@@ -452,11 +452,64 @@ fn pruner_config_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Draft rows as Python receives them: `(ids, probs)`.
+type PyRows<'py> = (Bound<'py, PyArray2<i64>>, Bound<'py, PyArray2<f32>>);
+
+/// `dart_pruner::top_k_rows`: the draft rows the pruner reads, from the head's logits.
+///
+/// `logits` is a C-contiguous `(rows, vocab)` array of float32, or of uint16 holding bf16 bits
+/// (numpy has no bf16: `tensor.view(torch.int16).numpy().view(numpy.uint16)`);
+/// `draft_to_target` (uint32, one entry per column) maps columns to target ids. Returns
+/// `(ids int64 (rows, k), probs float32 (rows, k))`, each row best first.
+#[pyfunction]
+#[pyo3(signature = (logits, k, draft_to_target=None))]
+fn top_k_rows<'py>(
+    py: Python<'py>,
+    logits: &Bound<'py, PyAny>,
+    k: i64,
+    draft_to_target: Option<PyReadonlyArray1<'py, u32>>,
+) -> PyResult<PyRows<'py>> {
+    let k = non_negative("k", k)?;
+    let map = match &draft_to_target {
+        Some(a) => Some(contiguous(a, "draft_to_target")?),
+        None => None,
+    };
+    let (rows, out) = if let Ok(a) = logits.extract::<PyReadonlyArray2<'py, f32>>() {
+        let rows = a.shape()[0];
+        (
+            rows,
+            dart_pruner::top_k_rows(contiguous(&a, "logits")?, rows, k, map),
+        )
+    } else if let Ok(a) = logits.extract::<PyReadonlyArray2<'py, u16>>() {
+        let rows = a.shape()[0];
+        (
+            rows,
+            dart_pruner::top_k_rows(contiguous(&a, "logits")?, rows, k, map),
+        )
+    } else {
+        return Err(PrunerError::new_err(
+            "logits must be a 2-D numpy array of float32, or of uint16 holding bf16 bits",
+        ));
+    };
+    let out = out.map_err(to_py_err)?;
+    let shape_err = |e: numpy::ndarray::ShapeError| PrunerError::new_err(e.to_string());
+    let ids = out.ids.into_iter().map(i64::from).collect();
+    Ok((
+        Array2::from_shape_vec((rows, k), ids)
+            .map_err(shape_err)?
+            .into_pyarray(py),
+        Array2::from_shape_vec((rows, k), out.probs)
+            .map_err(shape_err)?
+            .into_pyarray(py),
+    ))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPruner>()?;
     m.add_class::<PyPromptLookup>()?;
     m.add("PROMPT_LOOKUP_MAX_NGRAM", dart_pruner::lookup::MAX_NGRAM)?;
     m.add("PrunerError", m.py().get_type::<PrunerError>())?;
     m.add_function(wrap_pyfunction!(pruner_config_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(top_k_rows, m)?)?;
     Ok(())
 }

@@ -32,6 +32,7 @@ use tonic::Code;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+use crate::arrays::c_order;
 use crate::pruner::PyTree;
 
 pyo3::create_exception!(
@@ -100,9 +101,9 @@ fn tree_to_py(py: Python<'_>, t: proto::DraftTree) -> PyResult<PyTree<'_>> {
 
 /// Any numpy array's elements in row-major order.
 fn flat<T: numpy::Element + Copy, D: Dimension>(a: &PyReadonlyArray<'_, T, D>) -> Vec<T> {
-    match a.as_slice() {
-        Ok(s) => s.to_vec(),
-        Err(_) => {
+    match c_order(a) {
+        Some(s) => s.to_vec(),
+        None => {
             let view: ArrayView<'_, T, D> = a.as_array();
             view.iter().copied().collect()
         }
@@ -127,9 +128,9 @@ fn wire_ids<D: Dimension>(
             )
         })
     };
-    match a.as_slice() {
-        Ok(s) => s.iter().enumerate().map(convert).collect(),
-        Err(_) => a.as_array().iter().enumerate().map(convert).collect(),
+    match c_order(a) {
+        Some(s) => s.iter().enumerate().map(convert).collect(),
+        None => a.as_array().iter().enumerate().map(convert).collect(),
     }
 }
 
