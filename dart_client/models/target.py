@@ -69,7 +69,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        views = None if self.storage is None else self.storage.views(self, key_states, value_states)
+        views = None if self.storage is None else self.storage.views(key_states, value_states)
         if views is None:
             b, h, _, d = key_states.shape
             views = (
@@ -151,40 +151,45 @@ class StackedStorage:
         self.num_layers = num_layers
         self.capacity = capacity
         self.block: torch.Tensor | None = None
+        #: Layers whose buffers are in the block (they take its slots in order).
+        self.placed = 0
         #: False once some layer could not use the block.
         self.complete = True
-        self._slots: dict[int, int] = {}
 
     def views(
-        self, layer: PreallocatedLayer, keys: torch.Tensor, values: torch.Tensor
+        self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``layer``'s (K, V) buffers in the block, or None when its K/V cannot live there."""
+        """The next layer's (K, V) buffers in the block, or None when its K/V cannot live
+        there."""
         b, h, _, d = keys.shape
-        if self.block is None:
-            if values.shape[1] != h or values.shape[3] != d or values.dtype != keys.dtype:
-                self.complete = False
-                return None
-            self.block = keys.new_empty((self.num_layers, 2, b, h, self.capacity, d))
         block = self.block
-        slot = len(self._slots)
-        if (
-            slot >= self.num_layers
-            or keys.shape[:2] != block.shape[2:4]
-            or keys.shape[3] != d
-            or values.shape != keys.shape
-            or keys.dtype != block.dtype
-            or keys.device != block.device
-        ):
+        fits = (
+            values.shape == keys.shape
+            and values.dtype == keys.dtype
+            and self.placed < self.num_layers
+            and (
+                block is None
+                or (
+                    (b, h, d) == (block.shape[2], block.shape[3], block.shape[5])
+                    and keys.dtype == block.dtype
+                    and keys.device == block.device
+                )
+            )
+        )
+        if not fits:
             self.complete = False
             return None
-        self._slots[id(layer)] = slot
+        if block is None:
+            block = self.block = keys.new_empty((self.num_layers, 2, b, h, self.capacity, d))
+        slot = self.placed
+        self.placed += 1
         return block[slot, 0], block[slot, 1]
 
     def compact(self, start: int, keep: torch.Tensor) -> bool:
         """Move positions ``keep`` to ``start..`` in every layer at once; False when the
         layers do not all live in the block (the caller compacts each layer then)."""
         block = self.block
-        if block is None or not self.complete or len(self._slots) != self.num_layers:
+        if block is None or not self.complete or self.placed != self.num_layers:
             return False
         n = int(keep.numel())
         # index_select copies first, so overlapping source and destination are safe.
