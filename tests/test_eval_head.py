@@ -107,9 +107,12 @@ def tiny_target_dir(tmp_path: Path) -> Path:
 
 def write_prompts(path: Path, n: int) -> None:
     rng = np.random.default_rng(1)
+
+    def words(k: int) -> str:
+        return " ".join(f"w{t}" for t in rng.integers(3, TINY_VOCAB, size=k))
+
     with path.open("w") as f:
         for i in range(n):
-            words = lambda k: " ".join(f"w{t}" for t in rng.integers(3, TINY_VOCAB, size=k))  # noqa: E731
             f.write(json.dumps({"id": f"p{i}", "prompt": words(12), "response": words(30)}) + "\n")
 
 
