@@ -27,21 +27,25 @@ def fill(cache: TargetCache, kv_shapes: list[tuple[int, int]], n: int, seed: int
     prefix=st.integers(0, 12),
     tree=st.integers(1, 16),
     uniform=st.booleans(),
+    stacked=st.booleans(),
 )
 def test_keep_moves_the_accepted_nodes_in_every_layer(
-    data: st.DataObject, prefix: int, tree: int, uniform: bool
+    data: st.DataObject, prefix: int, tree: int, uniform: bool, stacked: bool
 ) -> None:
     layers = 4
     # A layer with other K/V heads sends the whole cache to per-layer compaction.
     shapes = [(3, 8)] * layers if uniform else [(3, 8), (3, 8), (2, 8), (3, 8)]
-    cache = TargetCache(layers, capacity=prefix + tree + 3)
+    cache = TargetCache(layers, capacity=prefix + tree + 3, stacked=stacked)
     before = fill(cache, shapes, prefix, seed=1)
     nodes = fill(cache, shapes, tree, seed=2)
     kept = sorted(data.draw(st.sets(st.integers(0, tree - 1), min_size=1, max_size=tree)))
     cache.keep(prefix, kept, torch.device("cpu"))
 
     assert cache.length == prefix + len(kept)
-    assert cache.storage.complete is uniform
+    if stacked:
+        assert cache.storage is not None and cache.storage.complete is uniform
+    else:
+        assert cache.storage is None
     for layer, (k0, v0), (k1, v1) in zip(cache.layers, before, nodes, strict=True):
         want_k = torch.cat((k0, k1[:, :, kept]), dim=2)
         want_v = torch.cat((v0, v1[:, :, kept]), dim=2)
@@ -67,3 +71,20 @@ def test_values_of_another_width_keep_their_own_buffers() -> None:
     cache.keep(0, [0, 2], torch.device("cpu"))
     assert cache.length == 2
     assert torch.equal(cache.layers[1].values, torch.ones((1, 2, 2, 5)))
+
+
+def test_a_target_on_one_device_stacks_its_cache() -> None:
+    from conftest import make_tiny_target
+
+    from dart_client.models.target import TargetModel
+
+    target = TargetModel(make_tiny_target("llama", layers=4).to("cpu"), cpu_kernels=False)
+    try:
+        assert target._layer_devices() == {torch.device("cpu")}
+        assert target.new_cache(8).storage is not None
+        # Layers spread over devices (a device map): no block, one buffer per layer.
+        two = {torch.device("cpu"), torch.device("meta")}
+        target._layer_devices = lambda: two  # type: ignore[method-assign]
+        assert target.new_cache(8).storage is None
+    finally:
+        target.close()

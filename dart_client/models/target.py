@@ -200,8 +200,11 @@ class StackedStorage:
 class TargetCache(Cache):
     """A transformers ``Cache`` of :class:`PreallocatedLayer` with tree-compaction helpers."""
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        self.storage = StackedStorage(num_layers, capacity)
+    def __init__(self, num_layers: int, capacity: int, *, stacked: bool = True) -> None:
+        """``stacked``: keep every layer's K/V in one block (:class:`StackedStorage`); pass
+        False when the layers sit on several devices (the block would hold every layer's
+        cache on the first one)."""
+        self.storage = StackedStorage(num_layers, capacity) if stacked else None
         super().__init__(
             layers=[PreallocatedLayer(capacity, self.storage) for _ in range(num_layers)]
         )
@@ -225,7 +228,7 @@ class TargetCache(Cache):
             self.truncate(start + n)  # already in place: a crop suffices
             return
         keep = torch.tensor([start + i for i in node_indices], dtype=torch.long, device=device)
-        if self.storage.compact(start, keep):
+        if self.storage is not None and self.storage.compact(start, keep):
             self.truncate(start + n)
             return
         for layer in self.layers:
@@ -368,7 +371,11 @@ class TargetModel:
         return hook
 
     def new_cache(self, capacity: int) -> TargetCache:
-        return TargetCache(self.num_layers, capacity)
+        return TargetCache(self.num_layers, capacity, stacked=len(self._layer_devices()) == 1)
+
+    def _layer_devices(self) -> set[torch.device]:
+        """The devices the decoder layers' weights are on (several under a device map)."""
+        return {p.device for layer in self.layers for p in layer.parameters(recurse=True)}
 
     @torch.no_grad()
     def forward(
