@@ -153,8 +153,11 @@ class StackedStorage:
         self.block: torch.Tensor | None = None
         #: Layers whose buffers are in the block (they take its slots in order).
         self.placed = 0
-        #: False once some layer could not use the block.
-        self.complete = True
+
+    @property
+    def complete(self) -> bool:
+        """Every layer's buffers are in the block (once each layer has stored keys)."""
+        return self.placed == self.num_layers
 
     def views(
         self, keys: torch.Tensor, values: torch.Tensor
@@ -177,7 +180,6 @@ class StackedStorage:
             )
         )
         if not fits:
-            self.complete = False
             return None
         if block is None:
             block = self.block = keys.new_empty((self.num_layers, 2, b, h, self.capacity, d))
@@ -189,7 +191,7 @@ class StackedStorage:
         """Move positions ``keep`` to ``start..`` in every layer at once; False when the
         layers do not all live in the block (the caller compacts each layer then)."""
         block = self.block
-        if block is None or not self.complete or self.placed != self.num_layers:
+        if block is None or not self.complete:
             return False
         n = int(keep.numel())
         # index_select copies first, so overlapping source and destination are safe.
