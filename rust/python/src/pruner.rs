@@ -474,18 +474,21 @@ fn top_k_rows<'py>(
         Some(a) => Some(contiguous(a, "draft_to_target")?),
         None => None,
     };
+    fn run<T: dart_pruner::Logit + numpy::Element>(
+        a: &PyReadonlyArray2<'_, T>,
+        k: usize,
+        map: Option<&[u32]>,
+    ) -> PyResult<(usize, dart_pruner::Result<dart_pruner::TopKRows>)> {
+        let rows = a.shape()[0];
+        Ok((
+            rows,
+            dart_pruner::top_k_rows(contiguous(a, "logits")?, rows, k, map),
+        ))
+    }
     let (rows, out) = if let Ok(a) = logits.extract::<PyReadonlyArray2<'py, f32>>() {
-        let rows = a.shape()[0];
-        (
-            rows,
-            dart_pruner::top_k_rows(contiguous(&a, "logits")?, rows, k, map),
-        )
+        run(&a, k, map)?
     } else if let Ok(a) = logits.extract::<PyReadonlyArray2<'py, u16>>() {
-        let rows = a.shape()[0];
-        (
-            rows,
-            dart_pruner::top_k_rows(contiguous(&a, "logits")?, rows, k, map),
-        )
+        run(&a, k, map)?
     } else {
         return Err(PrunerError::new_err(
             "logits must be a 2-D numpy array of float32, or of uint16 holding bf16 bits",
