@@ -5,9 +5,10 @@
 
 One model is loaded; for every tree size it times the target forward (``verify``: inside
 the model call only) over ``n`` new tokens on a cache of ``--context`` tokens, alternating
-the plain PyTorch kernels and the decoding kernels of
-:class:`~dart_client.models.target.TargetModel` (oneDNN-packed linear layers, small-query
-attention) so both see the same machine state. Reported: the median milliseconds and the
+PyTorch's own kernels (``plain``) and the decoding kernels of
+:class:`~dart_client.models.target.TargetModel` (packed linear layers, small-query attention)
+with oneDNN's matmul (``onednn``) and with DART's (``dart``, bf16 on AVX-512 CPUs), so all
+see the same machine state. Reported: the median milliseconds and the
 cost relative to one token with the same kernels -- the ratio that decides how large a tree
 pays off (see :mod:`dart_client.autotune`).
 """
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dart_client import _native
+from dart_client.models.linear import set_cpu_matmul
 from dart_client.models.target import TargetModel
 
 
@@ -42,36 +45,59 @@ def forward_ms(target: TargetModel, n: int, context: int, seed: int) -> float:
     return 1000 * target.last_forward_seconds
 
 
+def kernel_sets(target: TargetModel) -> list[str]:
+    """The kernel sets worth timing on this target: PyTorch's own (``plain``), oneDNN-packed
+    linear layers, and DART's matmul where it applies (bf16 on an AVX-512 CPU)."""
+    kinds = ["plain", "onednn"]
+    if target.model.dtype == torch.bfloat16 and _native.decoding_matmul_simd():
+        kinds.append("dart")
+    return kinds
+
+
+def use_kernels(target: TargetModel, kind: str) -> None:
+    """Switch ``target`` to the kernel set ``kind`` (see :func:`kernel_sets`)."""
+    if kind == "plain":
+        target.set_cpu_kernels(False)
+        return
+    set_cpu_matmul("dart" if kind == "dart" else "onednn")
+    target.set_cpu_kernels(True)
+
+
 def measure(
     target: TargetModel, sizes: list[int], context: int, repeats: int
 ) -> dict[str, dict[int, float]]:
-    """Median forward milliseconds per size for ``plain`` and ``decoding`` kernels,
-    interleaved (after one warm-up forward of each)."""
-    times: dict[str, dict[int, list[float]]] = {"plain": {}, "decoding": {}}
-    for kind in times:
-        target.set_cpu_kernels(kind == "decoding")
+    """Median forward milliseconds per size for every kernel set, interleaved (after one
+    warm-up forward of each); the target is left on the default decoding kernels."""
+    kinds = kernel_sets(target)
+    times: dict[str, dict[int, list[float]]] = {kind: {} for kind in kinds}
+    for kind in kinds:
+        use_kernels(target, kind)
         forward_ms(target, max(sizes), context, seed=0)
     for r in range(repeats):
         for n in sizes:
-            for kind in ("plain", "decoding") if r % 2 == 0 else ("decoding", "plain"):
-                target.set_cpu_kernels(kind == "decoding")
+            for kind in kinds if r % 2 == 0 else reversed(kinds):
+                use_kernels(target, kind)
                 times[kind].setdefault(n, []).append(forward_ms(target, n, context, seed=r))
+    set_cpu_matmul("auto")
     target.set_cpu_kernels(True)
     return {k: {n: statistics.median(v) for n, v in d.items()} for k, d in times.items()}
 
 
 def markdown(result: dict[str, dict[int, float]]) -> str:
+    kinds = list(result)
     lines = [
-        "| tokens | plain ms | decoding kernels ms | plain / 1 token | decoding / 1 token |",
-        "|---:|---:|---:|---:|---:|",
+        "| tokens | "
+        + " | ".join(f"{k} ms" for k in kinds)
+        + " | "
+        + " | ".join(f"{k} / 1 token" for k in kinds)
+        + " |",
+        "|---:|" + "---:|" * (2 * len(kinds)),
     ]
-    plain, fast = result["plain"], result["decoding"]
-    first = min(plain)
-    for n in sorted(plain):
-        lines.append(
-            f"| {n} | {plain[n]:.1f} | {fast[n]:.1f} | {plain[n] / plain[first]:.2f}x | "
-            f"{fast[n] / fast[first]:.2f}x |"
-        )
+    first = min(result[kinds[0]])
+    for n in sorted(result[kinds[0]]):
+        ms = " | ".join(f"{result[k][n]:.1f}" for k in kinds)
+        ratio = " | ".join(f"{result[k][n] / result[k][first]:.2f}x" for k in kinds)
+        lines.append(f"| {n} | {ms} | {ratio} |")
     return "\n".join(lines)
 
 

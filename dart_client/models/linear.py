@@ -1,17 +1,23 @@
-"""Linear layers on the CPU: weights kept in oneDNN's blocked layout.
+"""Linear layers on the CPU: weights packed for multiplying a few rows.
 
 PyTorch's plain ``F.linear`` on the CPU multiplies a few rows (a draft step, a tree of a few
 dozen nodes) much slower per weight byte than one row, so a tree forward looked 1.5x as
-expensive as an autoregressive one already at 2 tokens. oneDNN's prepacked weights close
-most of that gap (the same kernels IPEX and vLLM's CPU backend use): measured on SmolLM2-135M
-on one thread (with small-query attention, `python -m dart_client.bench.kernels`), a bf16
-forward over 2 / 8 / 16 tokens costs 1.09x / 1.38x / 1.75x one token instead of 1.52x / 1.61x /
-2.16x, an fp32 one over 8 tokens 1.99x instead of 3.40x. A single row keeps PyTorch's kernel,
-which is as fast there. The packed copy lives beside the parameters (the checkpoint layout
-never changes) and is rebuilt when a weight changes.
+expensive as an autoregressive one already at 2 tokens. Two packed kernels close that gap:
 
-:func:`project` is the matmul of the DART head (several projections stacked into one);
-:func:`pack_linear_layers` makes every ``nn.Linear`` of a target model use it.
+- bf16 weights on CPUs with AVX-512 use DART's own matmul (``dart_kernels::PackedMatrix``,
+  bound as ``dart_client._native.PackedMatrix``): a panel layout streamed once per call with
+  software prefetch, up to 12 rows per weight load, f32 FMAs. Every row is computed in the
+  same order whatever the row count, so a tree's products equal one-token decoding's bit for
+  bit. On SmolLM2-135M's linear layers (one thread, ``cargo bench -p dart-kernels``) 8 rows
+  cost 1.25x one row where oneDNN's bf16 kernel costs 1.7x, and one row is 30% faster.
+- fp32 weights, and bf16 where AVX-512 is missing, use oneDNN's prepacked weights (the kernels
+  IPEX and vLLM's CPU backend use): a bf16 forward over 8 tokens 1.38x one token instead of
+  1.61x, an fp32 one 1.99x instead of 3.40x. A single row keeps PyTorch's kernel there.
+
+The packed copy lives beside the parameters (the checkpoint layout never changes) and is
+rebuilt when a weight changes. :func:`set_cpu_matmul` chooses between the kernels (for
+benchmarks); :func:`project` is the matmul of the DART head (several projections stacked into
+one); :func:`pack_linear_layers` makes every ``nn.Linear`` of a target model use it.
 """
 
 from __future__ import annotations
@@ -21,16 +27,81 @@ import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dart_client import _native
+
 log = logging.getLogger(__name__)
 
-#: dtypes oneDNN packs (both are faster packed on x86 CPUs with AVX-512 / AMX).
+#: dtypes the packed kernels take (both are faster packed on x86 CPUs with AVX-512 / AMX).
 PACKABLE = (torch.bfloat16, torch.float32)
+
+CpuMatmul = Literal["auto", "dart", "onednn"]
+_cpu_matmul: CpuMatmul = "auto"
+
+
+def set_cpu_matmul(kind: CpuMatmul) -> None:
+    """Which packed kernel multiplies bf16 weights from now on: ``"auto"`` (DART's own where
+    the CPU has AVX-512, otherwise oneDNN), ``"dart"`` (an error without AVX-512) or
+    ``"onednn"``. Packed copies of the other kind are rebuilt on their next use."""
+    global _cpu_matmul
+    if kind not in ("auto", "dart", "onednn"):
+        raise ValueError(f"cpu matmul {kind!r}; expected 'auto', 'dart' or 'onednn'")
+    if kind == "dart" and not _native.decoding_matmul_simd():
+        raise RuntimeError("DART's CPU matmul needs AVX-512 (F, BW, VL); this CPU has none")
+    _cpu_matmul = kind
+
+
+def _dart_matmul_for(dtype: torch.dtype) -> bool:
+    return (
+        dtype == torch.bfloat16
+        and _cpu_matmul != "onednn"
+        and (_cpu_matmul == "dart" or _native.decoding_matmul_simd())
+    )
+
+
+class DartMatmul:
+    """A bf16 weight packed for DART's decoding matmul; ``self(x, bias)`` is
+    ``F.linear(x, weight, bias)`` (same shapes, bf16 result)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = _native.PackedMatrix(weight.contiguous().view(torch.uint16).numpy())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
+        self.packed.matmul(
+            rows.view(torch.uint16).numpy(),
+            out.view(torch.uint16).numpy(),
+            None
+            if bias is None
+            else bias.to(torch.bfloat16).contiguous().view(torch.uint16).numpy(),
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class OneDnnMatmul:
+    """A weight in oneDNN's blocked layout; ``self(x, bias)`` is ``F.linear(x, weight, bias)``."""
+
+    def __init__(self, packed: torch.Tensor, dtype: torch.dtype) -> None:
+        self.packed = packed
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+PackedWeight = DartMatmul | OneDnnMatmul
 
 
 def project(
@@ -43,24 +114,24 @@ def project(
     output dimension (one matmul for several projections: q/k/v, gate/up), plus ``bias``.
 
     Under autograd the stack is built per call from the live parameters, so gradients reach
-    each of them. Otherwise it is built once (:func:`derived_weight`), and on the CPU kept in
-    oneDNN's blocked layout (:func:`pack_for_cpu`), at the cost of a second copy of the
-    weights. The ``nn.Linear`` layers stay the parameters: the checkpoint layout does not
-    change.
+    each of them. Otherwise it is built once (:func:`derived_weight`), and on the CPU packed
+    (:func:`pack_for_cpu`), at the cost of a second copy of the weights. The ``nn.Linear``
+    layers stay the parameters: the checkpoint layout does not change.
     """
 
-    if len(names) == 1 and x.numel() == x.shape[-1]:
-        # One row (a decoding step): the plain kernel reads the weight as fast, and its call
-        # costs a few microseconds less than oneDNN's (x 211 layers of SmolLM2: 9% per token).
+    if len(names) == 1 and x.numel() == x.shape[-1] and not _dart_matmul_for(x.dtype):
+        # One row (a decoding step) without DART's matmul: the plain kernel reads the weight
+        # as fast, and its call costs a few microseconds less than oneDNN's (x 211 layers of
+        # SmolLM2: 9% per token).
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
-    def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, PackedWeight | None]:
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         return weight, None if live else pack_for_cpu(weight)
 
-    weight, packed = derived_weight(module, "linear", names, build)
+    weight, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, build)
     if packed is not None and x.dtype == packed.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed(x, bias)
     return F.linear(x, weight, bias)
 
 
@@ -93,21 +164,23 @@ def derived_weight(
     return hit[1]
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered for oneDNN's CPU matmul, or None where that is not available
-    (other devices and dtypes, builds without oneDNN, CPUs it does not support)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in PACKABLE
-        or weight.dim() != 2
-        or not torch.backends.mkldnn.is_available()
-        or not torch.backends.mkldnn.enabled
-    ):
+def pack_for_cpu(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` packed for the CPU's matmul of a few rows (DART's own for bf16 on AVX-512,
+    otherwise oneDNN's), or None where neither applies (other devices and dtypes, builds
+    without oneDNN, CPUs it does not support)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE or weight.dim() != 2:
         return None
+    probe = weight.new_ones((1, weight.shape[1]))
+    packed: PackedWeight
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        probe = weight.new_ones((1, weight.shape[1]))
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        if _dart_matmul_for(weight.dtype):
+            packed = DartMatmul(weight)
+        elif torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            packed = OneDnnMatmul(reordered, weight.dtype)
+        else:
+            return None
+        got = packed(probe, None)
     except (RuntimeError, AttributeError):
         return None
     want = F.linear(probe, weight)
@@ -126,8 +199,8 @@ class PackReport:
 
 
 def pack_linear_layers(model: nn.Module, *, max_memory_fraction: float = 0.5) -> PackReport:
-    """Make every CPU ``nn.Linear`` of ``model`` in bf16/fp32 multiply with oneDNN-packed
-    weights (:func:`project`); other layers are left alone.
+    """Make every CPU ``nn.Linear`` of ``model`` in bf16/fp32 multiply with packed weights
+    (:func:`project`); other layers are left alone.
 
     The packed copies are built on first use and need about as much memory again as those
     weights; when that exceeds ``max_memory_fraction`` of the memory available now, nothing
@@ -144,8 +217,8 @@ def pack_linear_layers(model: nn.Module, *, max_memory_fraction: float = 0.5) ->
     ]
     if not parents:
         return PackReport(0, 0, "no CPU bf16/fp32 nn.Linear layers")
-    if not torch.backends.mkldnn.is_available() or pack_for_cpu(parents[0][2].weight) is None:
-        return PackReport(0, 0, "oneDNN packing is not available on this build or CPU")
+    if pack_for_cpu(parents[0][2].weight) is None:
+        return PackReport(0, 0, "no packed CPU matmul (AVX-512 or oneDNN) on this build or CPU")
     # A tied weight (lm_head = embedding) is one tensor: count every storage once.
     sizes = {
         child.weight.data_ptr(): child.weight.numel() * child.weight.element_size()

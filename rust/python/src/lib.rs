@@ -1,4 +1,5 @@
-//! `dart_client._native`: thin PyO3 bindings over the n-gram engine and the pruner.
+//! `dart_client._native`: thin PyO3 bindings over the n-gram engine, the pruner and the CPU
+//! decoding kernels.
 //! One module per core concept (`ngram.rs`, `pruner.rs`), mirroring the Rust crates; errors
 //! become Python exceptions here and nowhere else (`errors.rs`).
 
@@ -7,6 +8,7 @@ use pyo3::prelude::*;
 mod arrays;
 pub mod build;
 pub mod errors;
+pub mod kernels;
 pub mod ngram;
 pub mod pruner;
 pub mod remote;
@@ -18,6 +20,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ngram::register(m)?;
     build::register(m)?;
     pruner::register(m)?;
+    kernels::register(m)?;
     remote::register(m)?;
     Ok(())
 }

@@ -1,0 +1,38 @@
+use thiserror::Error;
+
+/// What a kernel call was given that does not fit.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum KernelError {
+    /// A buffer's length is not what the shapes say.
+    #[error("{what} has {got} elements, expected {expected}")]
+    Length {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    /// A dimension is zero or too large.
+    #[error("{what} must be between 1 and {max}, got {got}")]
+    Dimension {
+        what: &'static str,
+        max: usize,
+        got: usize,
+    },
+    /// A tensor's shape does not fit the others.
+    #[error("{what} has shape {shape:?}, expected {expected}")]
+    Shape {
+        what: &'static str,
+        shape: Vec<usize>,
+        expected: &'static str,
+    },
+    /// A tensor's memory layout cannot be read.
+    #[error("{what}: {problem}")]
+    Layout {
+        what: &'static str,
+        problem: &'static str,
+    },
+    /// The requested backend cannot run on this CPU.
+    #[error("the {0} backend is not available on this CPU")]
+    Unavailable(&'static str),
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;

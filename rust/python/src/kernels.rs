@@ -1,0 +1,136 @@
+//! `dart_kernels::PackedMatrix` as `dart_client._native.PackedMatrix`: the CPU decoding matmul
+//! behind `dart_client.models.linear`. bf16 crosses as its bits in uint16 arrays (numpy has no
+//! bf16: `tensor.view(torch.uint16).numpy()`, no copy).
+
+use dart_kernels::{Backend, PackedMatrix};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::arrays::c_order;
+
+pyo3::create_exception!(
+    dart_client._native,
+    KernelError,
+    PyValueError,
+    "A decoding-kernel call whose arrays do not fit (shape, dtype, layout)."
+);
+
+fn to_py_err(err: dart_kernels::KernelError) -> PyErr {
+    KernelError::new_err(err.to_string())
+}
+
+fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
+    what: &str,
+) -> PyResult<&'a [T]> {
+    c_order(a).ok_or_else(|| KernelError::new_err(format!("{what} must be a C-contiguous array")))
+}
+
+/// A bf16 weight matrix `(out_features, in_features)` packed for the decoding matmul.
+#[pyclass(name = "PackedMatrix", module = "dart_client._native", frozen)]
+pub struct PyPackedMatrix {
+    inner: PackedMatrix,
+}
+
+#[pymethods]
+impl PyPackedMatrix {
+    /// Packs `weight`, a C-contiguous uint16 array of bf16 bits, shape `(out, in)`.
+    #[new]
+    fn new(py: Python<'_>, weight: PyReadonlyArray2<'_, u16>) -> PyResult<Self> {
+        let (n, k) = (weight.shape()[0], weight.shape()[1]);
+        let w = slice(&weight, "weight")?;
+        let inner = py
+            .detach(|| PackedMatrix::pack(w, n, k))
+            .map_err(to_py_err)?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+
+    #[getter]
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    /// Bytes of the packed copy.
+    #[getter]
+    fn packed_bytes(&self) -> usize {
+        self.inner.packed_bytes()
+    }
+
+    /// `out = x @ weight.T + bias` in place: `x` `(rows, in)`, `out` `(rows, out)`, `bias`
+    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "avx512" or "scalar".
+    #[pyo3(signature = (x, out, bias=None, threads=1, backend="auto"))]
+    fn matmul(
+        &self,
+        py: Python<'_>,
+        x: PyReadonlyArray2<'_, u16>,
+        mut out: PyReadwriteArray2<'_, u16>,
+        bias: Option<PyReadonlyArray1<'_, u16>>,
+        threads: usize,
+        backend: &str,
+    ) -> PyResult<()> {
+        let backend = match backend {
+            "auto" => Backend::Auto,
+            "avx512" => Backend::Avx512,
+            "scalar" => Backend::Scalar,
+            other => {
+                return Err(KernelError::new_err(format!(
+                    "backend {other:?}; expected \"auto\", \"avx512\" or \"scalar\""
+                )))
+            }
+        };
+        let rows = x.shape()[0];
+        if x.shape()[1] != self.inner.in_features() {
+            return Err(KernelError::new_err(format!(
+                "x has {} columns, the matrix {} inputs",
+                x.shape()[1],
+                self.inner.in_features()
+            )));
+        }
+        if out.shape() != [rows, self.inner.out_features()] {
+            return Err(KernelError::new_err(format!(
+                "out has shape {:?}, expected [{rows}, {}]",
+                out.shape(),
+                self.inner.out_features()
+            )));
+        }
+        let x = slice(&x, "x")?;
+        let bias = match &bias {
+            Some(b) => Some(slice(b, "bias")?),
+            None => None,
+        };
+        if !out.is_c_contiguous() {
+            return Err(KernelError::new_err("out must be a C-contiguous array"));
+        }
+        let out = out
+            .as_slice_mut()
+            .map_err(|e| KernelError::new_err(e.to_string()))?;
+        let inner = &self.inner;
+        if threads <= 1 && rows <= 2 {
+            // A decoding step's matmul takes ~20-100 us: releasing the GIL would add ~1%.
+            inner.matmul_with(backend, x, rows, bias, out, 1)
+        } else {
+            py.detach(|| inner.matmul_with(backend, x, rows, bias, out, threads))
+        }
+        .map_err(to_py_err)
+    }
+}
+
+/// Whether the SIMD matmul runs on this CPU (AVX-512F/BW/VL); without it the scalar kernel
+/// gives the same bits, far slower, and `dart_client` keeps PyTorch's kernels.
+#[pyfunction]
+fn decoding_matmul_simd() -> bool {
+    Backend::simd_available()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPackedMatrix>()?;
+    m.add("KernelError", m.py().get_type::<KernelError>())?;
+    m.add_function(wrap_pyfunction!(decoding_matmul_simd, m)?)?;
+    Ok(())
+}
