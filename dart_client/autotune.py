@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
 #: Budgets (draft nodes, root not counted) measured by default; 60 is the reference's GPU value.
-DEFAULT_BUDGETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 60, 80)
+#: 11 is the largest tree (12 rows with its root) that DART's CPU matmul multiplies in one pass
+#: over the weights (``dart_kernels::MAX_ROWS_PER_PASS``); 12 already takes two.
+DEFAULT_BUDGETS = (1, 2, 4, 8, 11, 12, 16, 24, 32, 48, 60, 80)
 
 #: Calibration prompts used when none are given (chat-formatted when the model has a template).
 CALIBRATION_PROMPTS = (

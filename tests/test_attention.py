@@ -8,8 +8,13 @@ from conftest import make_tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_client import _native
 from dart_client.models.attention import NAME, small_query_attention
 from dart_client.models.target import TargetModel
+
+needs_simd = pytest.mark.skipif(
+    not _native.decoding_matmul_simd(), reason="DART's CPU kernels need AVX-512"
+)
 
 
 class Attn(torch.nn.Module):
@@ -33,7 +38,7 @@ def reference(
 
 @settings(max_examples=60, deadline=None)
 @given(
-    n=st.integers(2, 40),
+    n=st.integers(1, 40),
     past=st.integers(0, 70),
     kv=st.integers(1, 3),
     groups=st.sampled_from([1, 2, 3]),
@@ -44,6 +49,8 @@ def reference(
 def test_small_query_attention_matches_a_direct_computation(
     n: int, past: int, kv: int, groups: int, kind: str, dtype: torch.dtype, seed: int
 ) -> None:
+    if n == 1 and dtype != torch.bfloat16:
+        n = 2  # one query in float32/64 goes to SDPA (tested below)
     g = torch.Generator().manual_seed(seed)
     h, d, length = kv * groups, 8, past + n
     q = torch.randn(1, n, h, d, generator=g).to(dtype).transpose(1, 2)  # as transformers does
@@ -83,7 +90,7 @@ def test_small_query_attention_matches_a_direct_computation(
 
 
 @pytest.mark.parametrize("n", [1, 65])
-def test_one_query_and_long_blocks_go_to_sdpa(n: int) -> None:
+def test_one_float32_query_and_long_blocks_go_to_sdpa(n: int) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     g = torch.Generator().manual_seed(n)
@@ -117,3 +124,88 @@ def test_target_forward_with_small_query_attention_is_the_sdpa_one(arch: str) ->
     plain = TargetModel(make_tiny_target(arch), cpu_kernels=False)
     assert plain.model.config._attn_implementation == "eager"
     assert plain.replaced_attention is None
+
+
+@needs_simd
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_bf16_tree_forward_gives_one_token_decodings_logits_bit_for_bit(arch: str) -> None:
+    """With DART's matmul and attention, every node of a tree gets exactly the logits that
+    decoding its path one token at a time gives: what makes greedy DART equal greedy
+    decoding on the CPU in bf16, not only up to near-ties."""
+    target = TargetModel(make_tiny_target(arch, dtype=torch.bfloat16, seed=12))
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 300, (1, 23), generator=g)
+    nodes = torch.randint(3, 300, (1, 7), generator=g)
+    # Node 0 follows the prompt; 1 and 2 follow 0; 3 follows 1; 4 follows 3; 5, 6 follow 2.
+    parent = [-1, 0, 0, 1, 3, 2, 5]
+    paths = []
+    for i in range(7):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, j)
+            j = parent[j]
+        paths.append(path)
+    tree_mask = torch.zeros(7, 7, dtype=torch.bool)
+    for i, path in enumerate(paths):
+        tree_mask[i, path] = True
+    depth = torch.tensor([len(p) - 1 for p in paths])
+    cache = target.new_cache(40)
+    target.forward(prompt, torch.arange(23).unsqueeze(0), cache, taps=False)
+    tree, _ = target.forward(nodes, (23 + depth).unsqueeze(0), cache, tree_mask=tree_mask)
+    for i, path in enumerate(paths):
+        cache = target.new_cache(40)
+        target.forward(prompt, torch.arange(23).unsqueeze(0), cache, taps=False)
+        for step, j in enumerate(path):
+            pos = torch.tensor([[23 + step]])
+            logits, _ = target.forward(nodes[:, j : j + 1], pos, cache, taps=False)
+        assert torch.equal(tree[0, i], logits[0, 0]), f"node {i} (path {path})"
+
+
+@needs_simd
+def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly() -> None:
+    from conftest import make_tiny_tokenizer
+
+    from dart_client import DartModel, ar_generate, dart_generate
+    from dart_client.models.head import DartHead
+    from dart_client.verify import Tree
+
+    model = make_tiny_target("qwen3", dtype=torch.bfloat16, seed=13)
+    head = DartHead.random_init(model.config, draft_length=3, seed=2).to(torch.bfloat16)
+    dm = DartModel(model, head, tokenizer=make_tiny_tokenizer())
+
+    class Greedy:
+        """The target's own greedy continuation as the tree: long accepted runs."""
+
+        def build(self, context, rows, budget):  # type: ignore[no-untyped-def]
+            return Tree.from_paths(int(context[-1]), [rows.ids[:, 0].tolist()[: max(budget, 0)]])
+
+    dm.tree_builder = Greedy()
+    for seed in range(4):
+        ids = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(seed))
+        got = dart_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
+        want = ar_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
+        assert got.tokens == want.tokens
+
+
+def test_tree_attention_refuses_arrays_that_do_not_fit() -> None:
+    import numpy as np
+
+    q = np.zeros((1, 4, 2, 8), dtype=np.uint16)
+    k = np.zeros((1, 2, 5, 8), dtype=np.uint16)
+    out = np.zeros((1, 2, 4, 8), dtype=np.uint16)
+    _native.tree_attention(q, k, k, out, None, 0.5)
+    with pytest.raises(_native.KernelError, match=r"out has shape \[1, 4, 2, 8\]"):
+        _native.tree_attention(q, k, k, np.zeros((1, 4, 2, 8), dtype=np.uint16))
+    with pytest.raises(_native.KernelError, match="kv_heads dividing"):
+        three = np.zeros((1, 3, 5, 8), dtype=np.uint16)
+        _native.tree_attention(q, three, three, out)
+    with pytest.raises(_native.KernelError, match="value has shape"):
+        _native.tree_attention(q, k, np.zeros((1, 2, 4, 8), dtype=np.uint16), out)
+    with pytest.raises(_native.KernelError, match="mask has shape"):
+        _native.tree_attention(q, k, k, out, np.zeros((1, 1, 2, 4), dtype=np.uint16))
+    with pytest.raises(_native.KernelError, match="last dimension must be contiguous"):
+        _native.tree_attention(
+            np.zeros((1, 4, 8, 2), dtype=np.uint16).transpose(0, 1, 3, 2), k, k, out
+        )
+    with pytest.raises(_native.KernelError, match="negative or odd stride"):
+        _native.tree_attention(q[:, :, ::-1], k, k, out)

@@ -9,14 +9,20 @@
 //! same order whatever the number of rows, so a row's result does not depend on which other
 //! rows share the call (a tree's logits equal one-token decoding's, bit for bit).
 //!
+//! [`attention()`] computes a tree's few queries over the cache with the same property: each
+//! query from its own visible keys, in key order, so with both kernels a tree's logits are
+//! one-token decoding's, bit for bit (greedy DART then equals greedy decoding exactly).
+//!
 //! No Python here; the bindings live in `rust/python`.
 
+mod attention;
 mod bf16;
 mod error;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
+pub use attention::{attention, View4, BLOCKED_AT_OR_BELOW};
 pub use bf16::{bf16_to_f32, f32_to_bf16};
 pub use error::{KernelError, Result};
 pub use matmul::{Backend, PackedMatrix, MAX_ROWS_PER_PASS, PANEL_COLUMNS};

@@ -1,9 +1,13 @@
-//! `dart_kernels::PackedMatrix` as `dart_client._native.PackedMatrix`: the CPU decoding matmul
-//! behind `dart_client.models.linear`. bf16 crosses as its bits in uint16 arrays (numpy has no
-//! bf16: `tensor.view(torch.uint16).numpy()`, no copy).
+//! The CPU decoding kernels of `dart_kernels`: `PackedMatrix` (the matmul behind
+//! `dart_client.models.linear`) and `tree_attention` (behind `dart_client.models.attention`).
+//! bf16 crosses as its bits in uint16 arrays (numpy has no bf16:
+//! `tensor.view(torch.uint16).numpy()`, no copy).
 
-use dart_kernels::{Backend, PackedMatrix};
-use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use dart_kernels::{Backend, PackedMatrix, View4};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4, PyReadwriteArray2, PyReadwriteArray4,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -121,6 +125,84 @@ impl PyPackedMatrix {
     }
 }
 
+/// A numpy array of bf16 bits as a kernel view: any non-negative strides, the last
+/// dimension contiguous (checked by `View4::new`).
+fn view4<'a>(what: &'static str, a: &'a PyReadonlyArray4<'_, u16>) -> PyResult<View4<'a>> {
+    let shape = [a.shape()[0], a.shape()[1], a.shape()[2], a.shape()[3]];
+    let mut strides = [0usize; 4];
+    for (dst, (&bytes, &n)) in strides.iter_mut().zip(a.strides().iter().zip(&shape)) {
+        if bytes < 0 || bytes % 2 != 0 {
+            return Err(KernelError::new_err(format!(
+                "{what} has a negative or odd stride ({bytes} bytes)"
+            )));
+        }
+        // A dimension of size 1 may carry any stride (numpy and torch both write 0 or junk).
+        *dst = if n == 1 { 0 } else { bytes as usize / 2 };
+    }
+    if shape.contains(&0) {
+        return Err(KernelError::new_err(format!(
+            "{what} has an empty dimension"
+        )));
+    }
+    let span = shape
+        .iter()
+        .zip(&strides)
+        .map(|(&n, &s)| (n - 1) * s)
+        .sum::<usize>()
+        + 1;
+    // SAFETY: every element of the array lies in [ptr, ptr + span) (non-negative strides),
+    // and the array stays borrowed (read-only) for 'a.
+    let data = unsafe { std::slice::from_raw_parts(a.as_array().as_ptr(), span) };
+    View4::new(what, data, shape, strides).map_err(to_py_err)
+}
+
+/// `dart_kernels::attention`: `softmax(q k^T * scale + mask) v` into `out` `(b, n, h, d)`
+/// (C-contiguous); `query` `(b, h, n, d)`, `key`/`value` `(b, kv, L, d)`, `mask` `(1|b, 1|h,
+/// n, >= L)` or None (causal), all uint16 bf16 bits with a contiguous last dimension.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, out, mask=None, scale=1.0, threads=1))]
+#[allow(clippy::too_many_arguments)]
+fn tree_attention(
+    py: Python<'_>,
+    query: PyReadonlyArray4<'_, u16>,
+    key: PyReadonlyArray4<'_, u16>,
+    value: PyReadonlyArray4<'_, u16>,
+    mut out: PyReadwriteArray4<'_, u16>,
+    mask: Option<PyReadonlyArray4<'_, u16>>,
+    scale: f32,
+    threads: usize,
+) -> PyResult<()> {
+    let (q, k, v) = (
+        view4("query", &query)?,
+        view4("key", &key)?,
+        view4("value", &value)?,
+    );
+    let m = match &mask {
+        Some(m) => Some(view4("mask", m)?),
+        None => None,
+    };
+    let [b, h, n, d] = q.shape();
+    if out.shape() != [b, n, h, d] {
+        return Err(KernelError::new_err(format!(
+            "out has shape {:?}, expected [{b}, {n}, {h}, {d}]",
+            out.shape()
+        )));
+    }
+    if !out.is_c_contiguous() {
+        return Err(KernelError::new_err("out must be a C-contiguous array"));
+    }
+    let out = out
+        .as_slice_mut()
+        .map_err(|e| KernelError::new_err(e.to_string()))?;
+    let m = m.as_ref();
+    if threads <= 1 {
+        dart_kernels::attention(&q, &k, &v, m, scale, out, threads)
+    } else {
+        py.detach(|| dart_kernels::attention(&q, &k, &v, m, scale, out, threads))
+    }
+    .map_err(to_py_err)
+}
+
 /// Whether the SIMD matmul runs on this CPU (AVX-512F/BW/VL); without it the scalar kernel
 /// gives the same bits, far slower, and `dart_client` keeps PyTorch's kernels.
 #[pyfunction]
@@ -132,5 +214,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedMatrix>()?;
     m.add("KernelError", m.py().get_type::<KernelError>())?;
     m.add_function(wrap_pyfunction!(decoding_matmul_simd, m)?)?;
+    m.add_function(wrap_pyfunction!(tree_attention, m)?)?;
     Ok(())
 }
