@@ -136,3 +136,14 @@ def test_kernel_benchmark_times_both_kernel_sets_and_leaves_the_decoding_ones_on
     assert "| 4 |" in markdown(result)
     assert target.model.config._attn_implementation == "dart_small_query"
     assert all("forward" in m.__dict__ for m in linears(model)) == (target.packing.layers > 0)
+
+
+def test_gradients_reach_the_input_of_a_packed_frozen_model() -> None:
+    """Frozen packed weights, an input that needs a gradient (a prompt embedding being tuned,
+    a model being probed): the packed kernels have no backward, so F.linear takes over."""
+    for dtype in (torch.bfloat16, torch.float32):
+        model = make_tiny_target("llama", dtype=dtype, seed=14).requires_grad_(False)
+        assert pack_linear_layers(model).layers > 0
+        embeds = model.get_input_embeddings()(torch.tensor([[4, 5, 6]])).requires_grad_(True)
+        model(inputs_embeds=embeds).logits.float().sum().backward()
+        assert embeds.grad is not None and bool(embeds.grad.abs().sum() > 0)

@@ -130,7 +130,12 @@ def project(
         return weight, None if live else pack_for_cpu(weight)
 
     weight, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, build)
-    if packed is not None and x.dtype == packed.dtype:
+    # The packed kernels have no backward: an input that needs a gradient takes F.linear.
+    if (
+        packed is not None
+        and x.dtype == packed.dtype
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
         return packed(x, bias)
     return F.linear(x, weight, bias)
 
