@@ -209,3 +209,17 @@ def test_tree_attention_refuses_arrays_that_do_not_fit() -> None:
         )
     with pytest.raises(_native.KernelError, match="negative or odd stride"):
         _native.tree_attention(q[:, :, ::-1], k, k, out)
+
+
+@needs_simd
+def test_bf16_attention_takes_any_layout() -> None:
+    """Keys whose last dimension is strided (another cache's layout) and an expanded mask
+    give what contiguous copies give."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 3, 16, generator=g).bfloat16()
+    k = torch.randn(1, 2, 16, 9, generator=g).bfloat16().transpose(-1, -2)  # stride(-1) != 1
+    v = torch.randn(1, 2, 9, 16, generator=g).bfloat16()
+    mask = torch.zeros(1, 1, 1, 9, dtype=torch.bfloat16).expand(1, 1, 3, 9)
+    got, _ = small_query_attention(Attn(2), q, k, v, mask, scaling=0.25)
+    want, _ = small_query_attention(Attn(2), q, k.contiguous(), v, mask.contiguous(), scaling=0.25)
+    assert torch.equal(got, want)

@@ -142,18 +142,26 @@ def _native_attention(
             mask = mask.to(torch.bfloat16)
         if mask.dim() != 4:
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        mask = mask.view(torch.uint16).numpy()
+        mask = _bits(mask)
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16)
     _native.tree_attention(
-        query.view(torch.uint16).numpy(),
-        key.view(torch.uint16).numpy(),
-        value.view(torch.uint16).numpy(),
+        _bits(query),
+        _bits(key),
+        _bits(value),
         out.view(torch.uint16).numpy(),
         mask,
         scaling if scaling is not None else d**-0.5,
         torch.get_num_threads(),
     )
     return out
+
+
+def _bits(t: torch.Tensor) -> Any:
+    """``t`` (bf16) as a numpy uint16 view: any strides, the last dimension made contiguous
+    (the kernel reads rows), negative strides copied away."""
+    if t.stride(-1) != 1 or any(s < 0 for s in t.stride()):
+        t = t.contiguous()
+    return t.view(torch.uint16).numpy()
 
 
 def register() -> str:
