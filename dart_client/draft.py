@@ -17,6 +17,7 @@ import torch
 
 from dart_client._native import top_k_rows
 from dart_client.models.head import DartHead, HeadCache
+from dart_client.models.native import bf16_bits
 
 #: Logit dtypes the native top-k reads on the CPU (bf16 as its bits).
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
@@ -55,10 +56,7 @@ def draft_rows(
         # One native pass (top-k, softmax over k, target ids) instead of five PyTorch and
         # numpy calls, which cost 0.2-0.3 ms per step with caches cold after the verify.
         array = logits.contiguous()
-        if array.dtype == torch.bfloat16:
-            raw = array.view(torch.int16).numpy().view(np.uint16)
-        else:
-            raw = array.numpy()
+        raw = bf16_bits(array) if array.dtype == torch.bfloat16 else array.numpy()
         ids, probs = top_k_rows(raw, k, d2t)
         return DraftRows(ids=ids, probs=probs)
     # On a GPU the rows are reduced where they are; only k per row come back.

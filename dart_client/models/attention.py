@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from dart_client import _native
+from dart_client.models.native import SIMD_KERNELS, bf16_bits
 
 NAME = "dart_small_query"
-#: Longer query blocks (prompts) go to SDPA, which wins there; so does a single query.
+#: Longer query blocks (prompts) go to SDPA, which wins there; so does a single query outside
+#: DART's kernel.
 MAX_QUERIES = 64
 
 
@@ -55,26 +57,10 @@ def small_query_attention(
 
     b, h, n, d = query.shape
     kv, length = key.shape[1], key.shape[2]
-    plain = (
-        dropout
-        or kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("cache") is not None
-        or kwargs.get("sliding_window") is not None
-        or (torch.is_grad_enabled() and query.requires_grad)
-    )
-    if (
-        not plain
-        and n <= MAX_QUERIES
-        and query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype == torch.bfloat16
-        and h % kv == 0
-        and _native.decoding_matmul_simd()
-    ):
-        return _native_attention(query, key, value, attention_mask, scaling), None
-    if (
+    # What neither direct path computes: transformers' SDPA path takes it.
+    sdpa_only = (
         query.device.type != "cpu"
-        or not 1 < n <= MAX_QUERIES
+        or n > MAX_QUERIES
         or h % kv
         or dropout
         or kwargs.get("softcap") is not None
@@ -82,7 +68,10 @@ def small_query_attention(
         or kwargs.get("cache") is not None
         or kwargs.get("sliding_window") is not None
         or (torch.is_grad_enabled() and query.requires_grad)
-    ):
+    )
+    if not sdpa_only and SIMD_KERNELS and query.dtype == key.dtype == value.dtype == torch.bfloat16:
+        return _native_attention(query, key, value, attention_mask, scaling), None
+    if sdpa_only or n == 1:
         return sdpa_attention_forward(
             module,
             query,
@@ -142,26 +131,18 @@ def _native_attention(
             mask = mask.to(torch.bfloat16)
         if mask.dim() != 4:
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        mask = _bits(mask)
+        mask = bf16_bits(mask)
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16)
     _native.tree_attention(
-        _bits(query),
-        _bits(key),
-        _bits(value),
+        bf16_bits(query),
+        bf16_bits(key),
+        bf16_bits(value),
         out.view(torch.uint16).numpy(),
         mask,
         scaling if scaling is not None else d**-0.5,
         torch.get_num_threads(),
     )
     return out
-
-
-def _bits(t: torch.Tensor) -> Any:
-    """``t`` (bf16) as a numpy uint16 view: any strides, the last dimension made contiguous
-    (the kernel reads rows), negative strides copied away."""
-    if t.stride(-1) != 1 or any(s < 0 for s in t.stride()):
-        t = t.contiguous()
-    return t.view(torch.uint16).numpy()
 
 
 def register() -> str:

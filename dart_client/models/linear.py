@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_client import _native
+from dart_client.models.native import SIMD_KERNELS, bf16_bits
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,12 @@ _cpu_matmul: CpuMatmul = "auto"
 def set_cpu_matmul(kind: CpuMatmul) -> None:
     """Which packed kernel multiplies bf16 weights from now on: ``"auto"`` (DART's own where
     the CPU has AVX-512, otherwise oneDNN), ``"dart"`` (an error without AVX-512) or
-    ``"onednn"``. Packed copies of the other kind are rebuilt on their next use."""
+    ``"onednn"``. Each kind keeps its own packed copies (switching back costs nothing, each
+    kind in use costs the weights' size again)."""
     global _cpu_matmul
     if kind not in ("auto", "dart", "onednn"):
         raise ValueError(f"cpu matmul {kind!r}; expected 'auto', 'dart' or 'onednn'")
-    if kind == "dart" and not _native.decoding_matmul_simd():
+    if kind == "dart" and not SIMD_KERNELS:
         raise RuntimeError("DART's CPU matmul needs AVX-512 (F, BW, VL); this CPU has none")
     _cpu_matmul = kind
 
@@ -60,7 +62,7 @@ def _dart_matmul_for(dtype: torch.dtype) -> bool:
     return (
         dtype == torch.bfloat16
         and _cpu_matmul != "onednn"
-        and (_cpu_matmul == "dart" or _native.decoding_matmul_simd())
+        and (_cpu_matmul == "dart" or SIMD_KERNELS)
     )
 
 
@@ -72,19 +74,18 @@ class DartMatmul:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = _native.PackedMatrix(weight.contiguous().view(torch.uint16).numpy())
+        self.packed = _native.PackedMatrix(bf16_bits(weight.contiguous()))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
+        # Both contiguous by construction: their views directly (this runs per layer).
         self.packed.matmul(
             rows.view(torch.uint16).numpy(),
             out.view(torch.uint16).numpy(),
-            None
-            if bias is None
-            else bias.to(torch.bfloat16).contiguous().view(torch.uint16).numpy(),
+            None if bias is None else bf16_bits(bias.to(torch.bfloat16)),
             torch.get_num_threads(),
         )
         return out.view(*x.shape[:-1], self.out_features)

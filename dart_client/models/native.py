@@ -1,0 +1,22 @@
+"""What the callers of DART's native CPU kernels (``dart_client._native``) share."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dart_client import _native
+
+#: Whether DART's SIMD CPU kernels (matmul, tree attention) run on this CPU: AVX-512 F/BW/VL.
+#: Asked once; the per-layer paths read this flag.
+SIMD_KERNELS: bool = _native.decoding_matmul_simd()
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 CPU tensor as a numpy uint16 view of its bits (numpy has no bf16), without a
+    copy unless its last dimension is strided or a stride is negative (the kernels read rows
+    and refuse negative strides)."""
+    # is_contiguous first: the common case, and the cheapest check on this per-layer path.
+    if not t.is_contiguous() and (t.stride(-1) != 1 or min(t.stride()) < 0):
+        t = t.contiguous()
+    return t.view(torch.uint16).numpy()
