@@ -287,7 +287,7 @@ def _eval(args: argparse.Namespace) -> int:
         progress=False,
     )
     t0 = time.perf_counter()
-    result = evaluate_head(head, model, data, max_windows=args.max_windows)
+    result = evaluate_head(head, model, data, max_windows=args.max_windows, progress=True)
     seconds = time.perf_counter() - t0
     print(
         f"dart-eval-head: {args.head} on {target_desc} ({args.split}): {result.summary()} "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from dart_client.models.head import DartHead
 from dart_client.train.data import TrainingSet
@@ -45,8 +46,10 @@ def evaluate_head(
     max_windows: int | None = None,
     anchors_per_forward: int = 64,
     device: str = "cpu",
+    progress: bool = False,
 ) -> HeadEval:
-    """alpha-1 .. alpha-(m+1) on the assistant tokens of ``data`` (teacher-forced)."""
+    """alpha-1 .. alpha-(m+1) on the assistant tokens of ``data`` (teacher-forced);
+    ``progress`` shows a bar over the windows."""
     m = head.config.draft_length
     rows = m + 1
     head = head.eval()
@@ -59,7 +62,7 @@ def evaluate_head(
     chain_n = np.zeros(rows)
     n_windows = min(len(data), max_windows) if max_windows else len(data)
     tokens = 0
-    for w in range(n_windows):
+    for w in tqdm(range(n_windows), desc="eval windows", unit="win", disable=not progress):
         ids_np, mask_np = data[w]
         length = len(ids_np)
         if length < 3:
