@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.draft import DraftRows, draft_rows
 from dart_client.errors import InvalidArgumentError
 from dart_client.generate import PRUNER_CONTEXT, ar_generate, build_tree
@@ -44,12 +45,33 @@ if TYPE_CHECKING:
 #: over the weights (``dart_kernels::MAX_ROWS_PER_PASS``); 12 already takes two.
 DEFAULT_BUDGETS = (1, 2, 4, 8, 11, 12, 16, 24, 32, 48, 60, 80)
 
-#: Calibration prompts used when none are given (chat-formatted when the model has a template).
+#: Calibration prompts used when none are given (chat-formatted when the model has a template):
+#: the kinds of request DART serves, including ones whose answer repeats the prompt (code to
+#: complete, a passage to summarise), where prompt lookup makes larger trees pay. With only
+#: open questions the tuner saw too little of that and chose trees smaller than the best
+#: measured on HumanEval and ShareGPT; a deployment should tune on its own prompts.
 CALIBRATION_PROMPTS = (
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    HUMANEVAL_INSTRUCTION.format(
+        prompt="def moving_average(values: list[float], window: int) -> list[float]:\n"
+        '    """Return the mean of every run of `window` consecutive values, in order.\n\n'
+        "    >>> moving_average([1.0, 2.0, 3.0, 4.0], 2)\n"
+        "    [1.5, 2.5, 3.5]\n"
+        '    """\n'
+    ),
     "Explain in a short paragraph why the sky is blue.",
+    "Summarise the following text in two sentences.\n\n"
+    "The printing press, developed by Johannes Gutenberg around 1440, made books far cheaper "
+    "to produce. Before it, texts were copied by hand, which took months and made every copy "
+    "costly and rare. With movable metal type, a workshop could print hundreds of identical "
+    "pages a day. Literacy spread, ideas travelled faster across Europe, and scholars could "
+    "compare the same text in many places at once.",
     "Give me three tips for writing clear emails at work.",
 )
+
+#: Default tokens of the target's continuation replayed per calibration prompt.
+CONTINUATION_TOKENS = 64
+#: Longest continuation worth replaying (the benchmark calibrates on its own lengths up to it).
+MAX_CONTINUATION_TOKENS = 128
 
 
 @dataclass
@@ -123,7 +145,7 @@ def autotune(
     *,
     prompts: Sequence[str | Sequence[int]] | None = None,
     budgets: Sequence[int] = DEFAULT_BUDGETS,
-    continuation_tokens: int = 32,
+    continuation_tokens: int = CONTINUATION_TOKENS,
     context_tokens: int = 256,
     repeats: int = 3,
     seed: int = 0,

@@ -175,6 +175,8 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
         [
             "--workloads", str(prompts),
             "--max-new-tokens", "12",
+            "--max-prompts", "2",
+            "--calibration-prompts", "1",
             "--repetitions", "2",
             "--tree-budget", "auto",
             "--remote", "auto",
@@ -196,7 +198,7 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     assert methods["dart@5"]["mean_tree_nodes"] <= 6
     for name, m in methods.items():
         # float64: every greedy method reproduces autoregressive decoding exactly.
-        assert m["greedy_equal_ar"] == 3, name
+        assert m["greedy_equal_ar"] == 2, name
         assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["speedup"] > 0
     for name in expected - {"ar", "hf", "pld"}:
         assert methods[name]["tau"] >= 1.0
@@ -209,13 +211,26 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     assert record["settings"]["repetitions"] == 2
     assert record["environment"]["dtype"] == "float64"
     assert record["environment"]["tree_budget"].startswith("auto -> ")
-    assert len(record["per_prompt"]["tiny"]) == 3
+    # Two prompts measured; the tuner calibrated on the third, which no method ran.
+    assert len(record["per_prompt"]["tiny"]) == 2
+    assert record["tree_budget_tuning"]["calibration_prompts"] == 1
+    assert any("tuned on 1 prompts that are not measured" in n for n in record["notes"])
     md = (out / "results.md").read_text()
-    assert "| dart |" in md and "## Tree budget (auto)" in md and "3/3" in md
+    assert "| dart |" in md and "## Tree budget (auto)" in md and "2/2" in md
     assert md in capsys.readouterr().out
     for name in ("speedup", "time_breakdown", "tau_histogram", "tree_budget"):
         png = (out / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_split_calibration_never_hands_the_tuner_a_measured_prompt() -> None:
+    def workload(name: str, n: int) -> Workload:
+        return Workload(name, "src", [Prompt(f"{name}{i}", [i, i + 1], "") for i in range(n)])
+
+    kept, calibration = harness.split_calibration([workload("a", 5), workload("b", 2)], 3)
+    assert [[p.id for p in w.prompts] for w in kept] == [["a0", "a1", "a2"], ["b0", "b1"]]
+    assert calibration == [[3, 4], [4, 5]]  # a3 and a4; b has none left over
+    assert harness.split_calibration([workload("a", 2)], 2)[1] == []
 
 
 def test_methods_validation(tiny_model: DartModel) -> None:

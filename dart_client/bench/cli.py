@@ -76,6 +76,14 @@ def parser() -> argparse.ArgumentParser:
         help="also run DART with these fixed budgets (as dart@N), e.g. 60, the reference's",
     )
     g.add_argument(
+        "--calibration-prompts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="--tree-budget auto calibrates on the N prompts after the measured ones in each "
+        "workload (0: the tuner's built-in prompts)",
+    )
+    g.add_argument(
         "--remote",
         default=None,
         help="dart-remote's daemon: 'auto' starts dart-ngram serve on 127.0.0.1 (ephemeral "
@@ -131,13 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, model: Any = None) -> int:
     """The benchmark the arguments describe (``model``: an already loaded DartModel)."""
-    from dart_client.autotune import parse_tree_budget
+    from dart_client.autotune import MAX_CONTINUATION_TOKENS, parse_tree_budget
 
     if args.threads:
         torch.set_num_threads(args.threads)
     for name in ("max_prompts", "max_new_tokens", "repetitions", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise harness.BenchError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.calibration_prompts < 0:
+        raise harness.BenchError("--calibration-prompts must be >= 0")
     budget = parse_tree_budget(args.tree_budget)
     notes: list[str] = []
     if model is None:
@@ -152,9 +162,22 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         warmup=args.warmup,
         pld_tokens=args.pld_tokens,
     )
+    calibrate = budget == "auto" and args.calibration_prompts > 0
     workloads = harness.load_workloads(
-        args.workloads, model, args.max_prompts, args.max_prompt_tokens, args.humaneval_format
+        args.workloads,
+        model,
+        args.max_prompts + (args.calibration_prompts if calibrate else 0),
+        args.max_prompt_tokens,
+        args.humaneval_format,
     )
+    workloads, calibration = harness.split_calibration(workloads, args.max_prompts)
+    if calibrate:
+        notes.append(
+            f"tree budget tuned on {len(calibration)} prompts that are not measured (the "
+            f"{args.calibration_prompts} after the measured ones in each workload)"
+            if calibration
+            else "tree budget tuned on the built-in prompts: no workload has prompts left over"
+        )
     closers: list[Callable[[], None]] = []
     try:
         methods = harness.build_methods(
@@ -164,6 +187,9 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
             remote=args.remote,
             pld_tokens=args.pld_tokens,
             compare_budgets=args.compare_budgets,
+            calibration=calibration or None,
+            # As long as the measured generations (tau depends on the length), within reason.
+            calibration_tokens=min(args.max_new_tokens, MAX_CONTINUATION_TOKENS),
             notes=notes,
             closers=closers,
         )

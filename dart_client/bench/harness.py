@@ -86,6 +86,19 @@ class Workload:
     notes: list[str] = field(default_factory=list)
 
 
+def split_calibration(
+    workloads: Sequence[Workload], measured: int
+) -> tuple[list[Workload], list[list[int]]]:
+    """Each workload's first ``measured`` prompts, and the token ids of the prompts after
+    them: the tree-budget tuner calibrates on the workloads' kind of text without seeing a
+    measured prompt."""
+    kept, calibration = [], []
+    for w in workloads:
+        kept.append(Workload(w.name, w.source, w.prompts[:measured], list(w.notes)))
+        calibration += [p.ids for p in w.prompts[measured:]]
+    return kept, calibration
+
+
 def _encode(model: DartModel, messages: list[dict[str, str]] | None, raw: str | None) -> list[int]:
     if messages is not None and model.template is not None:
         return model.encode_input(messages=messages)
@@ -409,14 +422,18 @@ def build_methods(
     remote: str | None = None,
     pld_tokens: int = 10,
     compare_budgets: Sequence[int] = (),
+    calibration: Sequence[Sequence[int]] | None = None,
+    calibration_tokens: int = 32,
     notes: list[str] | None = None,
     closers: list[Callable[[], None]] | None = None,
 ) -> list[Method]:
     """The requested methods over one loaded model. ``model`` needs a head and an in-process
     pruner for the DART methods; ``remote`` is ``auto`` (start a daemon) or ``host:port``;
     ``compare_budgets`` adds ``dart@N`` (in-process pruner, fixed budget N) per value, e.g.
-    the reference's GPU budget 60 beside the tuned one. Methods that cannot run here are left
-    out with a note saying why."""
+    the reference's GPU budget 60 beside the tuned one. ``calibration``: token ids of the
+    prompts ``tree_budget="auto"`` tunes on (None: the tuner's built-in ones), each continued
+    ``calibration_tokens`` tokens. Methods that cannot run here are left out with a note
+    saying why."""
     from dart_client.dart_model import DartModel
     from dart_client.pruner import Pruner, PrunerConfig
 
@@ -434,7 +451,12 @@ def build_methods(
     if tree_budget == "auto" and model.head is not None and model.tree_builder is not None:
         from dart_client.autotune import auto_budget
 
-        auto_budget(model)  # once, with the in-process pruner; every DART method shares it
+        # Once, with the in-process pruner; every DART method shares it.
+        auto_budget(
+            model,
+            prompts=[list(ids) for ids in calibration] if calibration else None,
+            continuation_tokens=calibration_tokens,
+        )
 
     def dart_model(pruner: Any, prompt_lookup: Any = model.prompt_lookup) -> DartModel:
         dm = DartModel(
