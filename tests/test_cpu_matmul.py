@@ -154,3 +154,29 @@ def test_a_bf16_target_on_dart_matmul_gives_the_logits_of_its_plain_one() -> Non
     }
     assert kinds <= {"DartMatmul"}
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+
+
+def test_the_amx_kernel_is_the_product_row_by_row_or_a_clear_error() -> None:
+    """AMX tiles round their sums their own way, so the check is the product within bf16
+    rounding plus every row's bits equal to the row alone; without AMX, a named error."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 96, generator=g).bfloat16()
+    x = torch.randn(37, 96, generator=g).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16()
+    packed = _native.PackedMatrix(w.view(torch.uint16).numpy())
+
+    def amx(rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        out = np.zeros((rows.shape[0], 70), dtype=np.uint16)
+        packed.matmul(
+            rows.view(torch.uint16).numpy(), out, b.view(torch.uint16).numpy(), threads, "amx"
+        )
+        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+
+    if _native.decoding_matmul_backend() != "amx":
+        with pytest.raises(_native.KernelError, match="AMX-BF16"):
+            amx(x)
+        return
+    got = amx(x, threads=2)
+    assert_bf16_rounding_of(got, reference(x, w, b), 96)
+    for r in (0, 15, 16, 31, 36):
+        assert torch.equal(got[r], amx(x[r : r + 1])[0]), r

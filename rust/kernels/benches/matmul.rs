@@ -1,10 +1,11 @@
 //! The decoding matmul on SmolLM2-135M's shapes: one pass over all 30 layers' linear weights
 //! plus the tied output projection (268 MB in bf16, more than most caches), per row count.
-//! `matmul/<rows>` against `matmul/1` is the cost of verifying a tree of that many tokens
-//! relative to one decoding step (linear layers only).
+//! `matmul/<backend>/<rows>` against `matmul/<backend>/1` is the cost of verifying a tree of
+//! that many tokens relative to one decoding step (linear layers only), for every backend this
+//! CPU runs (AMX tiles, AVX-512 FMAs).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use dart_kernels::{f32_to_bf16, PackedMatrix};
+use dart_kernels::{f32_to_bf16, Backend, PackedMatrix};
 
 fn smollm2_weights() -> Vec<PackedMatrix> {
     let (hidden, kv, ffn, vocab) = (576, 192, 1536, 49152);
@@ -40,20 +41,33 @@ fn bench(c: &mut Criterion) {
     let bytes: usize = weights.iter().map(PackedMatrix::packed_bytes).sum();
     let mut group = c.benchmark_group("matmul");
     group.sample_size(20);
-    for rows in [1usize, 2, 4, 8, 16, 32] {
-        let x = vec![f32_to_bf16(0.01); rows * 1536];
-        let mut out = vec![0u16; rows * 49152];
-        group.throughput(Throughput::Bytes(bytes as u64));
-        group.bench_with_input(BenchmarkId::from_parameter(rows), &rows, |b, &rows| {
-            b.iter(|| {
-                for w in &weights {
-                    let k = w.in_features();
-                    let n = w.out_features();
-                    w.matmul(&x[..rows * k], rows, None, &mut out[..rows * n], 1)
-                        .unwrap();
-                }
-            })
-        });
+    let mut backends = Vec::new();
+    if Backend::amx_available() {
+        backends.push(Backend::Amx);
+    }
+    if Backend::simd_available() {
+        backends.push(Backend::Avx512);
+    }
+    if backends.is_empty() {
+        backends.push(Backend::Scalar);
+    }
+    for backend in backends {
+        for rows in [1usize, 2, 4, 8, 16, 32, 64] {
+            let x = vec![f32_to_bf16(0.01); rows * 1536];
+            let mut out = vec![0u16; rows * 49152];
+            group.throughput(Throughput::Bytes(bytes as u64));
+            let id = BenchmarkId::new(backend.name(), rows);
+            group.bench_with_input(id, &rows, |b, &rows| {
+                b.iter(|| {
+                    for w in &weights {
+                        let k = w.in_features();
+                        let n = w.out_features();
+                        w.matmul_with(backend, &x[..rows * k], rows, None, &mut out[..rows * n], 1)
+                            .unwrap();
+                    }
+                })
+            });
+        }
     }
     group.finish();
 }

@@ -13,6 +13,16 @@
 //! input order, rounded to bf16 once at the end. Nothing depends on `m` or on which rows are
 //! multiplied together, so the SIMD kernel and the scalar one give the same bits, and a row's
 //! result is the same in a tree of 30 rows as alone.
+//!
+//! AMX. On CPUs with AMX-BF16 (Sapphire Rapids and later) the same layout is what a tile
+//! multiplication reads: 16 consecutive input pairs of a panel's first (or last) 16 outputs
+//! are one `16 x 64 B` tile at a stride of one pair's 128 bytes, so panels are padded to whole
+//! blocks of [`PAIRS_PER_BLOCK`] pairs. `tdpbf16ps` multiplies up to 16 rows by such a tile
+//! for the cost of one, so up to [`AMX_ROWS_PER_PASS`] rows stream the weights once and cost
+//! about what one row does. Its sums are rounded differently from the FMA chain (products of
+//! pairs, denormals flushed), so the AMX kernel's bits are its own, but they too depend on
+//! nothing but the row itself and the input blocks in order: a row's result is the same
+//! alone as in a tree, which is the property DART needs.
 
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -30,6 +40,10 @@ pub const MAX_ROWS_PER_PASS: usize = 12;
 const PREFETCH_BYTES: usize = 4096;
 /// u16 per input pair of a panel: 32 outputs x 2 inputs.
 const PAIR_STRIDE: usize = PANEL_COLUMNS * 2;
+/// Panels hold whole blocks of this many input pairs (zero-padded): one AMX tile's rows.
+pub const PAIRS_PER_BLOCK: usize = 16;
+/// Rows multiplied per pass over the weights by the AMX kernel: two tiles of 16 rows.
+pub const AMX_ROWS_PER_PASS: usize = 32;
 
 /// One cache line of packed weights; the matrix is a vector of them so loads never straddle
 /// two lines.
@@ -40,8 +54,10 @@ struct Line([u16; 32]);
 /// Which implementation multiplies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// The best one this CPU runs: AVX-512 where available, otherwise scalar.
+    /// The best one this CPU runs: AMX, else AVX-512, else scalar ([`Backend::best`]).
     Auto,
+    /// AMX-BF16 tiles (x86-64 Linux, with AVX-512 for the conversions).
+    Amx,
     /// AVX-512F/BW/VL (x86-64 only).
     Avx512,
     /// Portable Rust; the same bits as [`Backend::Avx512`], much slower.
@@ -60,6 +76,40 @@ impl Backend {
             false
         }
     }
+
+    /// Whether the AMX kernel runs here: the CPU has AMX-BF16 and AVX-512, and the OS let this
+    /// process use tile data (asked once).
+    pub fn amx_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            amx::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// What [`Backend::Auto`] runs on this CPU.
+    pub fn best() -> Backend {
+        if Self::amx_available() {
+            Backend::Amx
+        } else if Self::simd_available() {
+            Backend::Avx512
+        } else {
+            Backend::Scalar
+        }
+    }
+
+    /// The backend's name as the bindings and logs spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Amx => "amx",
+            Backend::Avx512 => "avx512",
+            Backend::Scalar => "scalar",
+        }
+    }
 }
 
 /// A bf16 weight matrix packed for [`PackedMatrix::matmul`].
@@ -67,6 +117,8 @@ pub struct PackedMatrix {
     out_features: usize,
     in_features: usize,
     pairs: usize,
+    /// `pairs` rounded up to whole blocks: a panel's length in pairs.
+    panel_pairs: usize,
     panels: usize,
     lines: Vec<Line>,
 }
@@ -94,11 +146,12 @@ impl PackedMatrix {
             })?;
         check_len("weight", expected, weight.len())?;
         let pairs = in_features.div_ceil(2);
+        let panel_pairs = pairs.next_multiple_of(PAIRS_PER_BLOCK);
         let panels = out_features.div_ceil(PANEL_COLUMNS);
         let lines_per_pair = PAIR_STRIDE / 32;
-        let mut lines = vec![Line::default(); panels * pairs * lines_per_pair];
+        let mut lines = vec![Line::default(); panels * panel_pairs * lines_per_pair];
         let flat: &mut [u16] = lines_as_u16_mut(&mut lines);
-        flat.par_chunks_mut(pairs * PAIR_STRIDE)
+        flat.par_chunks_mut(panel_pairs * PAIR_STRIDE)
             .enumerate()
             .for_each(|(panel, dst)| {
                 for column in 0..PANEL_COLUMNS {
@@ -116,6 +169,7 @@ impl PackedMatrix {
             out_features,
             in_features,
             pairs,
+            panel_pairs,
             panels,
             lines,
         })
@@ -164,22 +218,16 @@ impl PackedMatrix {
         if let Some(b) = bias {
             check_len("bias", self.out_features, b.len())?;
         }
-        let simd = match backend {
-            Backend::Auto => Backend::simd_available(),
+        let backend = match backend {
+            Backend::Auto => Backend::best(),
+            Backend::Amx if !Backend::amx_available() => {
+                return Err(KernelError::Unavailable("AMX-BF16"))
+            }
             Backend::Avx512 if !Backend::simd_available() => {
                 return Err(KernelError::Unavailable("AVX-512"))
             }
-            Backend::Avx512 => true,
-            Backend::Scalar => false,
+            chosen => chosen,
         };
-        // Inputs as f32, each row padded to whole pairs; the bias padded to whole panels.
-        let stride = self.pairs * 2;
-        let mut xf = vec![0f32; rows * stride];
-        for (dst, src) in xf.chunks_mut(stride).zip(x.chunks(self.in_features)) {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = bf16_to_f32(s);
-            }
-        }
         let bias_f32: Option<Vec<f32>> = bias.map(|b| {
             let mut v = vec![0f32; self.panels * PANEL_COLUMNS];
             for (d, &s) in v.iter_mut().zip(b) {
@@ -187,14 +235,44 @@ impl PackedMatrix {
             }
             v
         });
+        // AMX reads the rows as bf16 in whole blocks of inputs: `x` itself when its rows are
+        // exactly that long (the usual model widths), otherwise a zero-padded copy.
+        let padded_bf16: Vec<u16>;
+        let xf: Vec<f32>;
+        let input = if backend == Backend::Amx {
+            let stride = self.panel_pairs * 2;
+            if stride == self.in_features {
+                Input::Bf16 { x, stride }
+            } else {
+                let mut padded = vec![0u16; rows * stride];
+                for (dst, src) in padded.chunks_mut(stride).zip(x.chunks(self.in_features)) {
+                    dst[..src.len()].copy_from_slice(src);
+                }
+                padded_bf16 = padded;
+                Input::Bf16 {
+                    x: &padded_bf16,
+                    stride,
+                }
+            }
+        } else {
+            // Inputs as f32, each row padded to whole pairs.
+            let stride = self.pairs * 2;
+            let mut converted = vec![0f32; rows * stride];
+            for (dst, src) in converted.chunks_mut(stride).zip(x.chunks(self.in_features)) {
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    *d = bf16_to_f32(s);
+                }
+            }
+            xf = converted;
+            Input::F32 { x: &xf, stride }
+        };
         let job = Job {
             matrix: self,
-            x: &xf,
-            x_stride: stride,
+            input,
             rows,
             bias: bias_f32.as_deref(),
             out: SharedOut(out.as_mut_ptr()),
-            simd,
+            backend,
         };
         let threads = threads.clamp(1, self.panels);
         if threads == 1 {
@@ -212,7 +290,7 @@ impl PackedMatrix {
     }
 
     fn panel_lines(&self, panel: usize) -> &[Line] {
-        let per_panel = self.pairs * PAIR_STRIDE / 32;
+        let per_panel = self.panel_pairs * PAIR_STRIDE / 32;
         &self.lines[panel * per_panel..(panel + 1) * per_panel]
     }
 }
@@ -220,12 +298,21 @@ impl PackedMatrix {
 /// One matmul call, split by panels across threads. Each panel writes only its own columns.
 struct Job<'a> {
     matrix: &'a PackedMatrix,
-    x: &'a [f32],
-    x_stride: usize,
+    input: Input<'a>,
     rows: usize,
     bias: Option<&'a [f32]>,
     out: SharedOut,
-    simd: bool,
+    /// Resolved: never `Auto`, and available on this CPU.
+    backend: Backend,
+}
+
+/// The rows as each kernel reads them, `stride` elements apart.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    /// f32, padded to whole pairs (scalar and AVX-512 kernels).
+    F32 { x: &'a [f32], stride: usize },
+    /// bf16 bits, padded to whole blocks (AMX kernel).
+    Bf16 { x: &'a [u16], stride: usize },
 }
 
 /// `out`'s pointer, shared by the threads of one call; they write disjoint columns.
@@ -236,6 +323,19 @@ unsafe impl Sync for SharedOut {}
 
 impl Job<'_> {
     fn run(&self, panels: std::ops::Range<usize>) {
+        match self.input {
+            #[cfg(target_arch = "x86_64")]
+            Input::Bf16 { x, stride } => {
+                // SAFETY: an Amx job is only built when amx::available(); lengths were checked.
+                unsafe { amx::run(self, x, stride, panels) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Input::Bf16 { .. } => unreachable!("AMX is x86-64 only"),
+            Input::F32 { x, stride } => self.run_f32(x, stride, panels),
+        }
+    }
+
+    fn run_f32(&self, x: &[f32], x_stride: usize, panels: std::ops::Range<usize>) {
         let m = self.matrix;
         // Rows in near-equal passes of at most MAX_ROWS_PER_PASS (16 rows: 8 + 8 measured 8%
         // faster than 12 + 4).
@@ -251,8 +351,8 @@ impl Job<'_> {
             for pass in 0..passes {
                 let count = self.rows / passes + usize::from(pass < self.rows % passes);
                 let tile = Tile {
-                    x: &self.x[row * self.x_stride..(row + count) * self.x_stride],
-                    x_stride: self.x_stride,
+                    x: &x[row * x_stride..(row + count) * x_stride],
+                    x_stride,
                     weights,
                     pairs: m.pairs,
                     bias,
@@ -264,8 +364,8 @@ impl Job<'_> {
                     rows: count,
                 };
                 #[cfg(target_arch = "x86_64")]
-                if self.simd {
-                    // SAFETY: `simd` is only true when avx512::available().
+                if self.backend == Backend::Avx512 {
+                    // SAFETY: an Avx512 job is only built when avx512::available().
                     unsafe { avx512::tile(&tile) };
                     row += count;
                     continue;
@@ -398,6 +498,226 @@ mod avx512 {
                 }
             }
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    //! Tile multiplication. Tiles: tmm0/tmm1 accumulate the first 16 rows' outputs 0-15 and
+    //! 16-31 of a panel, tmm2/tmm3 the next 16 rows'; tmm4/tmm5 hold those rows' inputs of one
+    //! block; tmm6/tmm7 the block's weights for outputs 0-15 and 16-31. The compiler never
+    //! allocates tile registers, so they keep their values between the `asm!` blocks.
+
+    use super::{Job, PAIRS_PER_BLOCK, PAIR_STRIDE, PANEL_COLUMNS};
+    use crate::simd::{lanes, to_bf16};
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// Rows of one tile.
+    const TILE_ROWS: usize = 16;
+    /// Bytes of one tile row: 16 pairs of inputs, or 16 f32 outputs.
+    const TILE_ROW_BYTES: usize = 64;
+    /// Bytes of one block of weights (both halves of a panel): read as two tiles.
+    const BLOCK_BYTES: usize = PAIRS_PER_BLOCK * PAIR_STRIDE * 2;
+    /// How far ahead of the tile loads the kernel prefetches.
+    const PREFETCH_BYTES: usize = 2 * BLOCK_BYTES;
+
+    pub fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            super::avx512::available() && cpu_has_amx_bf16() && request_tile_permission()
+        })
+    }
+
+    fn cpu_has_amx_bf16() -> bool {
+        // CPUID leaf 7, subleaf 0, EDX: bit 22 AMX-BF16, bit 24 AMX-TILE.
+        #[allow(unused_unsafe)] // __cpuid is safe on newer toolchains
+        let (max_leaf, edx) = unsafe {
+            let max_leaf = __cpuid(0).eax;
+            (
+                max_leaf,
+                if max_leaf >= 7 {
+                    __cpuid_count(7, 0).edx
+                } else {
+                    0
+                },
+            )
+        };
+        max_leaf >= 7 && edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+    }
+
+    /// Linux hands tile data out per process on request (`ARCH_REQ_XCOMP_PERM`); without it
+    /// the first tile instruction is SIGILL. Refused on kernels older than 5.16.
+    #[cfg(target_os = "linux")]
+    fn request_tile_permission() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a plain syscall with integer arguments.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tile_permission() -> bool {
+        false
+    }
+
+    /// `ldtilecfg`'s operand (palette 1).
+    #[repr(C, align(64))]
+    struct TileConfig {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        bytes_per_row: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    impl TileConfig {
+        /// Tiles for `first` rows (1..=16) and `second` more (0..=16; 0 leaves tmm2, tmm3 and
+        /// tmm5 unconfigured).
+        fn new(first: usize, second: usize) -> Self {
+            let mut config = TileConfig {
+                palette: 1,
+                start_row: 0,
+                reserved: [0; 14],
+                bytes_per_row: [0; 16],
+                rows: [0; 16],
+            };
+            for (tile, rows) in [
+                (0, first),
+                (1, first),
+                (4, first),
+                (2, second),
+                (3, second),
+                (5, second),
+                (6, PAIRS_PER_BLOCK),
+                (7, PAIRS_PER_BLOCK),
+            ] {
+                if rows > 0 {
+                    config.rows[tile] = rows as u8;
+                    config.bytes_per_row[tile] = TILE_ROW_BYTES as u16;
+                }
+            }
+            config
+        }
+    }
+
+    /// Every row of `job` times `panels`, in passes of up to 32 rows; `x` holds the rows as
+    /// bf16, `stride` elements apart, padded to whole blocks.
+    ///
+    /// # Safety
+    /// AMX must be available (`available()`); `job`'s lengths must have been checked.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn run(job: &Job<'_>, x: &[u16], stride: usize, panels: std::ops::Range<usize>) {
+        let m = job.matrix;
+        let blocks = m.panel_pairs / PAIRS_PER_BLOCK;
+        let passes = job.rows.div_ceil(super::AMX_ROWS_PER_PASS);
+        // Accumulators stored as 32 rows x 32 f32 (row stride 128 bytes).
+        let mut sums = [[0f32; PANEL_COLUMNS]; 2 * TILE_ROWS];
+        let mut row = 0;
+        for pass in 0..passes {
+            let count = job.rows / passes + usize::from(pass < job.rows % passes);
+            let first = count.min(TILE_ROWS);
+            let second = count - first;
+            let config = TileConfig::new(first, second);
+            asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
+            let rows_ptr = x.as_ptr().add(row * stride).cast::<u8>();
+            let row_bytes = stride * 2;
+            for panel in panels.clone() {
+                let weights = m.panel_lines(panel).as_ptr().cast::<u8>();
+                asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                if second > 0 {
+                    asm!("tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                }
+                for block in 0..blocks {
+                    let w = weights.add(block * BLOCK_BYTES);
+                    for line in (0..BLOCK_BYTES).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            w.cast::<i8>().wrapping_add(PREFETCH_BYTES + line),
+                        );
+                    }
+                    let a = rows_ptr.add(block * TILE_ROW_BYTES);
+                    asm!(
+                        "tileloadd tmm6, [{w} + {ws}*1]",
+                        "tileloadd tmm7, [{w2} + {ws}*1]",
+                        "tileloadd tmm4, [{a} + {xs}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        w = in(reg) w,
+                        w2 = in(reg) w.add(TILE_ROW_BYTES),
+                        ws = in(reg) PAIR_STRIDE * 2,
+                        a = in(reg) a,
+                        xs = in(reg) row_bytes,
+                        options(nostack, readonly),
+                    );
+                    if second > 0 {
+                        asm!(
+                            "tileloadd tmm5, [{a} + {xs}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a = in(reg) a.add(TILE_ROWS * row_bytes),
+                            xs = in(reg) row_bytes,
+                            options(nostack, readonly),
+                        );
+                    }
+                }
+                let sums_ptr = sums.as_mut_ptr().cast::<u8>();
+                let sums_stride = PANEL_COLUMNS * 4;
+                asm!(
+                    "tilestored [{s} + {ss}*1], tmm0",
+                    "tilestored [{s2} + {ss}*1], tmm1",
+                    s = in(reg) sums_ptr,
+                    s2 = in(reg) sums_ptr.add(TILE_ROW_BYTES),
+                    ss = in(reg) sums_stride,
+                    options(nostack),
+                );
+                if second > 0 {
+                    let lower = sums_ptr.add(TILE_ROWS * sums_stride);
+                    asm!(
+                        "tilestored [{s} + {ss}*1], tmm2",
+                        "tilestored [{s2} + {ss}*1], tmm3",
+                        s = in(reg) lower,
+                        s2 = in(reg) lower.add(TILE_ROW_BYTES),
+                        ss = in(reg) sums_stride,
+                        options(nostack),
+                    );
+                }
+                let first_column = panel * PANEL_COLUMNS;
+                let columns = (m.out_features - first_column).min(PANEL_COLUMNS);
+                for (r, sum) in sums[..count].iter().enumerate() {
+                    for half in 0..2 {
+                        let start = half * 16;
+                        if start >= columns {
+                            break;
+                        }
+                        let mut v = _mm512_loadu_ps(sum.as_ptr().add(start));
+                        if let Some(bias) = job.bias {
+                            let b = _mm512_loadu_ps(bias.as_ptr().add(first_column + start));
+                            v = _mm512_add_ps(v, b);
+                        }
+                        // SAFETY: row + r < rows, the columns are this panel's (checked lengths).
+                        let dst = job
+                            .out
+                            .0
+                            .add((row + r) * m.out_features + first_column + start);
+                        let valid = columns - start;
+                        if valid >= 16 {
+                            _mm256_storeu_si256(dst.cast(), to_bf16(v));
+                        } else {
+                            _mm256_mask_storeu_epi16(dst.cast(), lanes(valid), to_bf16(v));
+                        }
+                    }
+                }
+            }
+            row += count;
+        }
+        asm!("tilerelease", options(nostack, nomem));
     }
 }
 
@@ -536,6 +856,37 @@ mod tests {
             prop_assert_eq!(got, want);
         }
 
+        /// The AMX kernel is the product within f32 accumulation error, gives the same bits
+        /// on any number of threads, and a row's bits do not depend on the rows beside it
+        /// (row counts past one pass of 32 included).
+        #[test]
+        fn amx_is_the_product_row_by_row(
+            (n, k, _rows, w, _x, bias) in case(),
+            x in bf16_values(70 * 40),
+            rows in 1usize..70,
+            threads in 1usize..4,
+            pick in any::<proptest::sample::Index>(),
+        ) {
+            prop_assume!(Backend::amx_available());
+            let x = &x[..rows * k];
+            let m = PackedMatrix::pack(&w, n, k).unwrap();
+            let mut got = vec![0xFFFFu16; rows * n];
+            m.matmul_with(Backend::Amx, x, rows, bias.as_deref(), &mut got, threads).unwrap();
+            let want = reference(&w, n, k, x, rows, bias.as_deref());
+            for (got, want) in got.iter().zip(&want) {
+                // Multiples of 2^-7 summed: the f32 sums are exact, so only bf16 rounding.
+                prop_assert_eq!(*got, f32_to_bf16(*want as f32));
+            }
+            let mut alone = vec![0u16; rows * n];
+            m.matmul_with(Backend::Amx, x, rows, bias.as_deref(), &mut alone, 1).unwrap();
+            prop_assert_eq!(&alone, &got);
+            let r = pick.index(rows);
+            let mut one = vec![0u16; n];
+            m.matmul_with(Backend::Amx, &x[r * k..(r + 1) * k], 1, bias.as_deref(), &mut one, 1)
+                .unwrap();
+            prop_assert_eq!(&got[r * n..(r + 1) * n], &one[..]);
+        }
+
         /// A row's result does not depend on the rows multiplied with it.
         #[test]
         fn rows_are_independent((n, k, rows, w, x, _bias) in case(), pick in any::<proptest::sample::Index>()) {
@@ -572,6 +923,52 @@ mod tests {
                 (got - want).abs() <= want.abs() * 2f64.powi(-8) + 1e-6,
                 "{got} vs {want}"
             );
+        }
+    }
+
+    #[test]
+    fn amx_rows_are_independent_on_general_values() {
+        // Rounding shows here (unlike the exact small values above): tree rows must still be
+        // bit-identical to the row alone, and close to the f64 product.
+        if !Backend::amx_available() {
+            eprintln!("no AMX-BF16 on this CPU: skipped");
+            return;
+        }
+        let (n, k, rows) = (70, 1001, 45);
+        let mut state = 0x2545_F491u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            f32_to_bf16((state as f32 / u32::MAX as f32 - 0.5) * 0.2)
+        };
+        let w: Vec<u16> = (0..n * k).map(|_| next()).collect();
+        let x: Vec<u16> = (0..rows * k).map(|_| next()).collect();
+        let bias: Vec<u16> = (0..n).map(|_| next()).collect();
+        let m = PackedMatrix::pack(&w, n, k).unwrap();
+        let mut all = vec![0u16; rows * n];
+        m.matmul_with(Backend::Amx, &x, rows, Some(&bias), &mut all, 2)
+            .unwrap();
+        let want = reference(&w, n, k, &x, rows, Some(&bias));
+        for r in 0..rows {
+            let mut one = vec![0u16; n];
+            m.matmul_with(
+                Backend::Amx,
+                &x[r * k..(r + 1) * k],
+                1,
+                Some(&bias),
+                &mut one,
+                1,
+            )
+            .unwrap();
+            assert_eq!(&all[r * n..(r + 1) * n], &one[..], "row {r}");
+            for (got, want) in one.iter().zip(&want[r * n..(r + 1) * n]) {
+                let got = bf16_to_f32(*got) as f64;
+                assert!(
+                    (got - want).abs() <= want.abs() * 2f64.powi(-8) + 1e-5,
+                    "{got} vs {want}"
+                );
+            }
         }
     }
 

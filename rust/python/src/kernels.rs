@@ -67,7 +67,8 @@ impl PyPackedMatrix {
     }
 
     /// `out = x @ weight.T + bias` in place: `x` `(rows, in)`, `out` `(rows, out)`, `bias`
-    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "avx512" or "scalar".
+    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "amx", "avx512" or
+    /// "scalar".
     #[pyo3(signature = (x, out, bias=None, threads=1, backend="auto"))]
     fn matmul(
         &self,
@@ -80,11 +81,12 @@ impl PyPackedMatrix {
     ) -> PyResult<()> {
         let backend = match backend {
             "auto" => Backend::Auto,
+            "amx" => Backend::Amx,
             "avx512" => Backend::Avx512,
             "scalar" => Backend::Scalar,
             other => {
                 return Err(KernelError::new_err(format!(
-                    "backend {other:?}; expected \"auto\", \"avx512\" or \"scalar\""
+                    "backend {other:?}; expected \"auto\", \"amx\", \"avx512\" or \"scalar\""
                 )))
             }
         };
@@ -210,10 +212,18 @@ fn decoding_matmul_simd() -> bool {
     Backend::simd_available()
 }
 
+/// The kernel `PackedMatrix.matmul(backend="auto")` runs on this CPU: "amx", "avx512" or
+/// "scalar".
+#[pyfunction]
+fn decoding_matmul_backend() -> &'static str {
+    Backend::best().name()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedMatrix>()?;
     m.add("KernelError", m.py().get_type::<KernelError>())?;
     m.add_function(wrap_pyfunction!(decoding_matmul_simd, m)?)?;
+    m.add_function(wrap_pyfunction!(decoding_matmul_backend, m)?)?;
     m.add_function(wrap_pyfunction!(tree_attention, m)?)?;
     Ok(())
 }
