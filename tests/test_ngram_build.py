@@ -254,18 +254,30 @@ def test_bad_input_errors_name_file_and_line(tmp_path: Path) -> None:
 def test_keyboard_interrupt_cancels_and_cleans_up(tmp_path: Path) -> None:
     """Ctrl-C during a build raises KeyboardInterrupt and leaves neither output nor runs.
 
-    The input is a FIFO, so the build is provably still running when the signal lands: the
-    data arrives only a while after the interrupt.
+    The input is a FIFO, so the build is provably running when the signal lands: the signal
+    is sent once the build has opened the FIFO (a non-blocking open for writing fails until a
+    reader has it), and the data arrives only a while after. (A fixed delay instead let a
+    loaded machine deliver the signal before the build began, where a finalizer could
+    swallow it.)
     """
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
     out = tmp_path / "m.ngram"
 
     def interrupt_then_feed() -> None:
-        time.sleep(0.3)
-        _thread.interrupt_main()
-        time.sleep(1.0)
-        with open(fifo, "w") as f:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:  # ENXIO: no reader yet
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.01)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "w") as f:
+            _thread.interrupt_main()
+            time.sleep(1.0)
             for i in range(1000):
                 f.write(json.dumps({"ids": [i % 5, (i + 1) % 5]}) + "\n")
 

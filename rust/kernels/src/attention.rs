@@ -805,6 +805,49 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// The same with a mask per head (each head its own tree): rows of one unit then see
+        /// different keys, and each still gets its bits alone.
+        #[test]
+        fn a_per_head_tree_query_equals_the_query_alone(
+            context in 0usize..40,
+            nodes in 1usize..14,
+            dim in prop::sample::select(vec![8usize, 24, 64]),
+            seed in any::<u32>(),
+            edges in proptest::collection::vec(any::<bool>(), 500),
+        ) {
+            let (heads, kv_heads) = (6, 2);
+            let length = context + nodes;
+            let q = Tensor::new([1, heads, nodes, dim], noise(seed));
+            let k = Tensor::new([1, kv_heads, length, dim], noise(seed ^ 1));
+            let v = Tensor::new([1, kv_heads, length, dim], noise(seed ^ 2));
+            let sees = |h: usize, i: usize, j: usize| j == context + i
+                || (j < context + i && edges[(h * 83 + i * 20 + j) % 500]);
+            let mask = Tensor::new(
+                [1, heads, nodes, length],
+                (0..heads)
+                    .flat_map(|h| (0..nodes).flat_map(move |i| (0..length).map(move |j| (h, i, j))))
+                    .map(|(h, i, j)| if sees(h, i, j) { 0.0 } else { f32::MIN }),
+            );
+            let tree: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1);
+            for (h, i) in (0..heads).flat_map(|h| (0..nodes).map(move |i| (h, i))) {
+                let g = h / (heads / kv_heads);
+                let visible: Vec<usize> = (0..length).filter(|&j| sees(h, i, j)).collect();
+                let pick = |t: &Tensor| Tensor::new(
+                    [1, 1, visible.len(), dim],
+                    visible.iter().flat_map(|&j| (0..dim).map(move |c| (j, c)))
+                        .map(|(j, c)| t.at([0, g, j, c]) as f32),
+                );
+                let one_q = Tensor::new([1, 1, 1, dim], (0..dim).map(|c| q.at([0, h, i, c]) as f32));
+                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
+                let at = (i * heads + h) * dim;
+                prop_assert!(tree[at..at + dim].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+    }
+
     #[test]
     fn no_mask_is_causal_from_the_end() {
         let (n, l, d) = (4, 9, 16);
