@@ -41,9 +41,10 @@ if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
 #: Budgets (draft nodes, root not counted) measured by default; 60 is the reference's GPU value.
-#: 11 is the largest tree (12 rows with its root) that DART's CPU matmul multiplies in one pass
-#: over the weights (``dart_kernels::MAX_ROWS_PER_PASS``); 12 already takes two.
-DEFAULT_BUDGETS = (1, 2, 4, 8, 11, 12, 16, 24, 32, 48, 60, 80)
+#: 11 and 31 are the largest trees (12 and 32 rows with the root) that DART's CPU matmul
+#: multiplies in one pass over the weights with AVX-512 and with AMX tiles
+#: (``dart_kernels::MAX_ROWS_PER_PASS``, ``AMX_ROWS_PER_PASS``); 12 and 32 take two.
+DEFAULT_BUDGETS = (1, 2, 4, 8, 11, 12, 16, 24, 31, 32, 48, 60, 80)
 
 #: Calibration prompts used when none are given (chat-formatted when the model has a template):
 #: the kinds of request DART serves, including ones whose answer repeats the prompt (code to
