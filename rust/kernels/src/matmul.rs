@@ -847,7 +847,9 @@ mod tests {
         /// The SIMD kernel gives the scalar kernel's bits, on any number of threads.
         #[test]
         fn simd_equals_scalar((n, k, rows, w, x, bias) in case(), threads in 1usize..4) {
-            prop_assume!(Backend::simd_available());
+            if !Backend::simd_available() {
+                return Ok(()); // as in amx_is_the_product_row_by_row
+            }
             let m = PackedMatrix::pack(&w, n, k).unwrap();
             let mut want = vec![0u16; rows * n];
             m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
@@ -867,7 +869,11 @@ mod tests {
             threads in 1usize..4,
             pick in any::<proptest::sample::Index>(),
         ) {
-            prop_assume!(Backend::amx_available());
+            if !Backend::amx_available() {
+                // Not a rejection: every case would be one, and proptest fails a test whose
+                // cases are all rejected.
+                return Ok(());
+            }
             let x = &x[..rows * k];
             let m = PackedMatrix::pack(&w, n, k).unwrap();
             let mut got = vec![0xFFFFu16; rows * n];
