@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dart_client import _native
 from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
 from dart_client.generate import STAGES
@@ -739,6 +740,8 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),
+        # Which of DART's CPU matmuls bf16 targets run on (amx, avx512 or scalar).
+        "cpu_matmul": _native.decoding_matmul_backend(),
     }
     if model.head is not None:
         env["head_draft_length"] = model.head.config.draft_length
