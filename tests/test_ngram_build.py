@@ -7,6 +7,7 @@ import _thread
 import json
 import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -256,9 +257,7 @@ def test_keyboard_interrupt_cancels_and_cleans_up(tmp_path: Path) -> None:
 
     The input is a FIFO, so the build is provably running when the signal lands: the signal
     is sent once the build has opened the FIFO (a non-blocking open for writing fails until a
-    reader has it), and the data arrives only a while after. (A fixed delay instead let a
-    loaded machine deliver the signal before the build began, where a finalizer could
-    swallow it.)
+    reader has it), and the data arrives only a while after.
     """
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
@@ -281,6 +280,9 @@ def test_keyboard_interrupt_cancels_and_cleans_up(tmp_path: Path) -> None:
             for i in range(1000):
                 f.write(json.dumps({"ids": [i % 5, (i + 1) % 5]}) + "\n")
 
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C
+    # handler (interrupt_main does nothing): the test needs Python's own.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     feeder = threading.Thread(target=interrupt_then_feed)
     feeder.start()
     try:
@@ -288,5 +290,6 @@ def test_keyboard_interrupt_cancels_and_cleans_up(tmp_path: Path) -> None:
             build([fifo], out, vocab_size=5, no_eos=True, memory="1M")
     finally:
         feeder.join()
+        signal.signal(signal.SIGINT, previous)
     assert not out.exists()
     assert hidden_entries(tmp_path) == []
