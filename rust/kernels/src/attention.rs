@@ -808,8 +808,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(40))]
 
-        /// The same with a mask per head (each head its own tree): rows of one unit then see
-        /// different keys, and each still gets its bits alone.
+        /// The same with a mask per head (each head its own tree, as a batch of trees or
+        /// head-specific masks give): every (head, query) gets its bits alone.
         #[test]
         fn a_per_head_tree_query_equals_the_query_alone(
             context in 0usize..40,

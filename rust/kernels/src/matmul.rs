@@ -906,19 +906,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn general_values_match_f64_within_bf16_rounding() {
-        // Pseudo-random values of every magnitude class a model has, a k past several panels.
-        let (n, k, rows) = (100, 1001, 13);
-        let mut state = 0x9E37_79B9u32;
-        let mut next = || {
+    /// Pseudo-random bf16 values in (-0.1, 0.1) (xorshift from `seed`).
+    fn general_values(seed: u32) -> impl Iterator<Item = u16> {
+        let mut state = seed;
+        std::iter::repeat_with(move || {
             state ^= state << 13;
             state ^= state >> 17;
             state ^= state << 5;
             f32_to_bf16((state as f32 / u32::MAX as f32 - 0.5) * 0.2)
-        };
-        let w: Vec<u16> = (0..n * k).map(|_| next()).collect();
-        let x: Vec<u16> = (0..rows * k).map(|_| next()).collect();
+        })
+    }
+
+    #[test]
+    fn general_values_match_f64_within_bf16_rounding() {
+        // Pseudo-random values of every magnitude class a model has, a k past several panels.
+        let (n, k, rows) = (100, 1001, 13);
+        let mut values = general_values(0x9E37_79B9);
+        let w: Vec<u16> = values.by_ref().take(n * k).collect();
+        let x: Vec<u16> = values.by_ref().take(rows * k).collect();
         let m = PackedMatrix::pack(&w, n, k).unwrap();
         let mut out = vec![0u16; rows * n];
         m.matmul(&x, rows, None, &mut out, 2).unwrap();
@@ -941,16 +946,10 @@ mod tests {
             return;
         }
         let (n, k, rows) = (70, 1001, 45);
-        let mut state = 0x2545_F491u32;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            f32_to_bf16((state as f32 / u32::MAX as f32 - 0.5) * 0.2)
-        };
-        let w: Vec<u16> = (0..n * k).map(|_| next()).collect();
-        let x: Vec<u16> = (0..rows * k).map(|_| next()).collect();
-        let bias: Vec<u16> = (0..n).map(|_| next()).collect();
+        let mut values = general_values(0x2545_F491);
+        let w: Vec<u16> = values.by_ref().take(n * k).collect();
+        let x: Vec<u16> = values.by_ref().take(rows * k).collect();
+        let bias: Vec<u16> = values.by_ref().take(n).collect();
         let m = PackedMatrix::pack(&w, n, k).unwrap();
         let mut all = vec![0u16; rows * n];
         m.matmul_with(Backend::Amx, &x, rows, Some(&bias), &mut all, 2)
