@@ -79,16 +79,11 @@ impl PyPackedMatrix {
         threads: usize,
         backend: &str,
     ) -> PyResult<()> {
-        let backend = match backend {
-            "auto" => Backend::Auto,
-            "amx" => Backend::Amx,
-            "avx512" => Backend::Avx512,
-            "scalar" => Backend::Scalar,
-            other => {
-                return Err(KernelError::new_err(format!(
-                    "backend {other:?}; expected \"auto\", \"amx\", \"avx512\" or \"scalar\""
-                )))
-            }
+        let Some(backend) = Backend::from_name(backend) else {
+            let names: Vec<&str> = Backend::ALL.iter().map(|b| b.name()).collect();
+            return Err(KernelError::new_err(format!(
+                "backend {backend:?}; expected one of {names:?}"
+            )));
         };
         let rows = x.shape()[0];
         if x.shape()[1] != self.inner.in_features() {
