@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_target
+from conftest import TEST_DEVICE, make_tiny_target
 from safetensors.torch import save_file
 
 from dart_client.errors import CheckpointError, IncompatibleHeadError
@@ -402,6 +402,61 @@ def test_grouped_query_rows_equal_repeated_kv(tmp_path: Path, target: Any) -> No
             assert mask.shape == (1, 1, rows * n, past + n)
             outs.append(attn(x, head.rope(past, n, x), cache, mask))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+
+
+def _sdpa_backends_here(device: str, dtype: torch.dtype) -> list[Any]:
+    """The SDPA backends that run a small masked attention on ``device`` in ``dtype``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(1, 2, 4, 16, device=device, dtype=dtype)
+    mask = torch.zeros(1, 1, 4, 4, device=device, dtype=dtype)
+    found = []
+    names = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    for backend in (getattr(SDPBackend, name) for name in names if hasattr(SDPBackend, name)):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        except RuntimeError:
+            continue
+        found.append(backend)
+    return found
+
+
+def test_grouped_query_rows_work_on_every_sdpa_backend(tmp_path: Path, target: Any) -> None:
+    """The head's attention (query heads of a K/V group as extra rows) gives the same rows
+    on every attention backend the test device has, in the dtypes it decodes in. Backends
+    may return the output in (b, n, heads, d) memory order (CUDA's efficient and flash
+    kernels do); the head must regroup it with a copy, not a view."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dart_client.models.head import causal_mask
+
+    device = TEST_DEVICE
+    published_checkpoint(tmp_path / "h", target)
+    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    tried = 0
+    for dtype in dtypes:
+        head = DartHead.from_pretrained(tmp_path / "h").to(device=device, dtype=dtype)
+        attn = head.midlayer.self_attn
+        groups = attn.num_heads // attn.num_kv_heads
+        n, past = 5, 7
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(1, n, 2 * H, generator=g).to(device=device, dtype=dtype)
+        prefix = torch.randn(1, past, 2 * H, generator=g).to(device=device, dtype=dtype)
+        outs = {}
+        for backend in _sdpa_backends_here(device, dtype):
+            cache = head.new_cache(32)
+            with torch.no_grad(), sdpa_kernel([backend, SDPBackend.MATH]):
+                attn(prefix, head.rope(0, past, x), cache, causal_mask(past, 0, dtype, device))
+                mask = causal_mask(n, past, dtype, device, groups)
+                outs[backend] = attn(x, head.rope(past, n, x), cache, mask).float()
+        reference = outs.pop(SDPBackend.MATH)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for backend, out in outs.items():
+            torch.testing.assert_close(out, reference, rtol=tol, atol=tol, msg=str(backend))
+            tried += 1
+    if not tried:
+        pytest.skip(f"only the math SDPA backend runs on {device}: nothing to compare")
 
 
 def test_rope_table_rows_are_the_rotary_embedding(target: Any) -> None:

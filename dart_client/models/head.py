@@ -290,7 +290,10 @@ class HeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif mask.shape[-2] == groups * n:
             qg = q.reshape(b, nkv, groups * n, hd)
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(b, nh, n, hd)
+            # reshape, not view: some backends (CUDA's efficient / flash kernels) return the
+            # output in (b, n, heads, d) memory order, which a view cannot regroup.
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+            out = out.reshape(b, nh, n, hd)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, n, nh * hd)
