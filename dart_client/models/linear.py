@@ -197,6 +197,12 @@ def pack_for_cpu(weight: torch.Tensor) -> PackedWeight | None:
     return packed if torch.allclose(got, want, rtol=1e-2, atol=1e-3) else None
 
 
+def cpu_packing_available(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build have a packed matmul for ``dtype`` weights (probed
+    the way :func:`pack_for_cpu` packs; oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT)."""
+    return pack_for_cpu(torch.ones(8, 32, dtype=dtype)) is not None
+
+
 @dataclass
 class PackReport:
     """What :func:`pack_linear_layers` did: layers switched, the bytes of their weights (the
