@@ -72,6 +72,9 @@ def small_query_attention(
     if not sdpa_only and SIMD_KERNELS and query.dtype == key.dtype == value.dtype == torch.bfloat16:
         return _native_attention(query, key, value, attention_mask, scaling), None
     if sdpa_only or n == 1:
+        # Static caches hand a mask as long as the cache; SDPA wants it as long as the keys.
+        if attention_mask is not None and attention_mask.shape[-1] != length:
+            attention_mask = attention_mask[..., :length]
         return sdpa_attention_forward(
             module,
             query,
