@@ -2,7 +2,7 @@
 
 from dart_client._native import __version__
 from dart_client.dart_model import DartModel
-from dart_client.generate import GenerationResult, ar_generate, dart_generate
+from dart_client.decoding.loop import GenerationResult, ar_generate, dart_generate
 from dart_client.templates import TEMPLATE_REGISTRY
 
 __all__ = [

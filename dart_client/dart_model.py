@@ -17,7 +17,7 @@ from dart_client.errors import (
     InvalidTypeError,
     MissingResourceError,
 )
-from dart_client.generate import (
+from dart_client.decoding.loop import (
     GenerationResult,
     GenerationStream,
     PrunerTreeBuilder,
@@ -25,7 +25,7 @@ from dart_client.generate import (
     ar_generate,
     dart_generate,
 )
-from dart_client.lookup import PromptLookupConfig, parse_prompt_lookup
+from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
 from dart_client.templates import TEMPLATE_REGISTRY, ChatTemplate
@@ -54,9 +54,9 @@ class DartModel:
     ``DartModel(target_model, head, tokenizer=tok, ngram=NGram.open(...))``. ``head`` and
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
     ``tree_budget`` is the default node budget of ``dart_generate`` (an int, or ``"auto"``:
-    measured on this machine by :mod:`dart_client.autotune`, whose result lands in
+    measured on this machine by :mod:`dart_client.decoding.autotune`, whose result lands in
     ``tree_tuning``). ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
-    (:mod:`dart_client.lookup`): a :class:`~dart_client.lookup.PromptLookupConfig`, a path
+    (:mod:`dart_client.decoding.lookup`): a :class:`~dart_client.decoding.lookup.PromptLookupConfig`, a path
     length (``0`` or ``None``: off, the paper's trees). By default it is on when the trees
     come from the pruner and off otherwise (a custom ``tree_builder`` then receives no
     ``lookup_path``).
@@ -98,7 +98,7 @@ class DartModel:
             head.eval()
             head.bind_embedding(target.embedding())
         if pruner is None and ngram is not None:
-            from dart_client.pruner import Pruner, PrunerConfig
+            from dart_client.ngram.pruner import Pruner, PrunerConfig
 
             pruner = Pruner(ngram, pruner_config if pruner_config is not None else PrunerConfig())
         self.ngram = ngram
@@ -144,7 +144,7 @@ class DartModel:
         The n-gram is a ``.ngram`` file, a directory holding ``full``/``small`` models
         (``is_small_ngram`` picks), a reference ``.trie`` (converted once and cached), or is
         served by the n-gram daemon at ``ngram_server`` (``host:port``). ``tree_budget="auto"``
-        tunes the budget now, at load time (a few seconds: see :mod:`dart_client.autotune`).
+        tunes the budget now, at load time (a few seconds: see :mod:`dart_client.decoding.autotune`).
         ``cpu_kernels``: on the CPU, run the target on the decoding kernels of
         :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
         ``prompt_lookup``: see the class docstring.
@@ -194,7 +194,7 @@ class DartModel:
             prompt_lookup=prompt_lookup,
         )
         if tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
-            from dart_client.autotune import auto_budget
+            from dart_client.decoding.autotune import auto_budget
 
             auto_budget(dart)
         return dart
@@ -318,7 +318,7 @@ def load_ngram(path: str | Path, *, is_small: bool = False) -> Any:
 def _converted_trie(trie: Path) -> Path:
     """Convert a reference ``.trie`` once; later loads reuse the cached ``.ngram``."""
     from dart_client.embedded import cache_dir
-    from dart_client.ngram_build import import_dart
+    from dart_client.ngram.build import import_dart
 
     stat = trie.stat()
     key = hashlib.sha256(f"{trie.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
@@ -331,7 +331,7 @@ def _converted_trie(trie: Path) -> Path:
 
 def _remote_pruner(address: str, pruner_config: Any) -> Any:
     """A pruner served by the n-gram daemon (``grpc://host:port``; a bare host:port works)."""
-    from dart_client.remote import connect
+    from dart_client.ngram.remote import connect
 
     url = address if "://" in address else f"grpc://{address}"
     return connect(url).pruner(pruner_config)

@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY_VOCAB, make_tiny_target
 
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.autotune import (
+from dart_client.decoding.autotune import (
     TreeBudgetTuning,
     _Calibration,
     _Clock,
@@ -24,10 +24,10 @@ from dart_client.autotune import (
     autotune,
     parse_tree_budget,
 )
-from dart_client.draft import DraftRows
+from dart_client.decoding.draft import DraftRows
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.head import DartHead
-from dart_client.verify import Tree
+from dart_client.decoding.verify import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

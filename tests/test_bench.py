@@ -12,9 +12,9 @@ import pytest
 from conftest import make_tiny_target, make_tiny_tokenizer
 
 from dart_client import DartModel, local_daemon
-from dart_client.bench import harness
-from dart_client.bench.cli import parser, run
-from dart_client.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
+from dart_client.apps.bench import harness
+from dart_client.apps.bench.cli import parser, run
+from dart_client.apps.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
 from dart_client.data import is_held_out
 from dart_client.models.head import DartHead
 
@@ -251,7 +251,7 @@ def test_methods_validation(tiny_model: DartModel) -> None:
 
 
 def test_dart_cli_subcommands(capsys: Any) -> None:
-    from dart_client.cli import main
+    from dart_client.apps.cli import main
 
     for argv, text in (
         (["bench", "--help"], "--tree-budget"),

@@ -21,10 +21,10 @@ from conftest import TINY_EOS, TINY_VOCAB, make_tiny_target, make_tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dart_client.generate as generate_module
+import dart_client.decoding.loop as generate_module
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.accept import Acceptance, accept_sampling
-from dart_client.draft import DraftRows
+from dart_client.decoding.accept import Acceptance, accept_sampling
+from dart_client.decoding.draft import DraftRows
 from dart_client.errors import (
     ContextTooLongError,
     DartError,
@@ -34,8 +34,8 @@ from dart_client.errors import (
     InvalidTypeError,
 )
 from dart_client.models.head import DartHead
-from dart_client.sampling import SamplingParams, target_probs
-from dart_client.verify import Tree
+from dart_client.decoding.sampling import SamplingParams, target_probs
+from dart_client.decoding.verify import Tree
 
 ARCHS = ("llama", "qwen3")
 WORD_TOKENIZER = make_tiny_tokenizer()
@@ -128,7 +128,7 @@ def test_greedy_matches_ar_and_transformers_with_pruner(
     heads: dict[str, DartHead],
     tiny_ngram_path: Any,
 ) -> None:
-    pytest.importorskip("dart_client.pruner")
+    pytest.importorskip("dart_client.ngram.pruner")
     from dart_client.ngram import NGram
 
     model = targets[arch]
@@ -397,7 +397,7 @@ def test_incremental_text_of_byte_level_bpe(smol_tok: Any, text: str) -> None:
 
 
 def test_greedy_token_breaks_ties_at_the_first_index() -> None:
-    from dart_client.accept import greedy_token
+    from dart_client.decoding.accept import greedy_token
 
     row = torch.tensor([0.5, 2.0, -1.0, 2.0, 1.0]).to(torch.bfloat16)
     assert greedy_token(row) == 1 == int(row.float().argmax())
@@ -568,7 +568,7 @@ def test_sampling_with_the_pruner_and_prompt_lookup_is_lossless(
     import json
 
     from dart_client.ngram import NGram
-    from dart_client.ngram_build import build
+    from dart_client.ngram.build import build
 
     model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, seed=5, init_range=0.3)
     model.config.eos_token_id = None
@@ -749,7 +749,7 @@ def test_dart_generate_without_head_is_an_error(targets: dict[str, Any]) -> None
 def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from dart_client.cli import main
+    from dart_client.apps.cli import main
 
     model = make_tiny_target("llama", seed=0)
     tok = make_tiny_tokenizer()

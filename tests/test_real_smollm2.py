@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
-from dart_client.draft import DraftRows
+from dart_client.decoding.draft import DraftRows
 from dart_client.models.head import DartHead
-from dart_client.verify import Tree
+from dart_client.decoding.verify import Tree
 
 PROMPTS = [
     "What is the capital of France?",
@@ -157,8 +157,8 @@ def test_smollm2_bf16_greedy_matches_transformers(smollm2_bf16: Any) -> None:
 @pytest.mark.usefixtures("one_thread")
 def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: Any) -> None:
     """End to end with the Rust pruner over an n-gram built from real ShareGPT text."""
-    pytest.importorskip("dart_client.pruner")
-    ngram_build = pytest.importorskip("dart_client.ngram_build")
+    pytest.importorskip("dart_client.ngram.pruner")
+    ngram_build = pytest.importorskip("dart_client.ngram.build")
     from conftest import export_smollm2_tokenizer, sharegpt_texts
 
     from dart_client.ngram import NGram

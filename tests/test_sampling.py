@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from dart_client.errors import InvalidArgumentError, InvalidTypeError
-from dart_client.sampling import (
+from dart_client.decoding.sampling import (
     SamplingParams,
     make_generator,
     sample,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from dart_client import DartModel, ar_generate, dart_generate
 from dart_client.models.head import DartHead
-from dart_client.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
+from dart_client.apps.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def served(model: DartModel) -> Iterator[str]:
     pytest.importorskip("gradio")
-    from dart_client.ui.app import build_app, free_port, launch
+    from dart_client.apps.ui.app import build_app, free_port, launch
 
     app = build_app(model, max_new_tokens=16)
     port = free_port()

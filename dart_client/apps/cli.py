@@ -19,12 +19,12 @@ from dart_client.errors import DartError
 
 #: name -> ("module:function", one-line help). Other parts of the project add theirs here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("dart_client.cli:generate_main", "generate a reply to one prompt"),
-    "chat": ("dart_client.cli:chat_main", "interactive chat with streamed replies"),
-    "train": ("dart_client.train.cli:train_main", "train a DART head"),
-    "eval-head": ("dart_client.train.cli:eval_main", "measure a head's acceptance"),
-    "demo": ("dart_client.cli:demo_main", "the embedded-default demo (--ui: side-by-side page)"),
-    "bench": ("dart_client.bench.cli:main", "benchmark DART against the baselines (dart-bench)"),
+    "generate": ("dart_client.apps.cli:generate_main", "generate a reply to one prompt"),
+    "chat": ("dart_client.apps.cli:chat_main", "interactive chat with streamed replies"),
+    "train": ("dart_client.apps.train:train_main", "train a DART head"),
+    "eval-head": ("dart_client.apps.train:eval_main", "measure a head's acceptance"),
+    "demo": ("dart_client.apps.cli:demo_main", "the embedded-default demo (--ui: side-by-side page)"),
+    "bench": ("dart_client.apps.bench.cli:main", "benchmark DART against the baselines (dart-bench)"),
 }
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
@@ -100,7 +100,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_lookup_argument(g: Any) -> None:
-    """``--prompt-lookup N`` (``args.prompt_lookup``): see :mod:`dart_client.lookup`."""
+    """``--prompt-lookup N`` (``args.prompt_lookup``): see :mod:`dart_client.decoding.lookup`."""
     g.add_argument(
         "--prompt-lookup",
         type=int,
@@ -140,7 +140,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tree_budget(value: str) -> int | str | None:
-    from dart_client.autotune import parse_tree_budget
+    from dart_client.decoding.autotune import parse_tree_budget
 
     try:
         return parse_tree_budget(value)
@@ -153,10 +153,10 @@ def demo_main(argv: Sequence[str]) -> int:
     args = list(argv)
     if "--ui" in args:
         args.remove("--ui")
-        from dart_client.ui.app import main as ui_main
+        from dart_client.apps.ui.app import main as ui_main
 
         return ui_main(args)
-    from dart_client.demo import main as ngram_demo_main
+    from dart_client.apps.demo import main as ngram_demo_main
 
     ngram_demo_main(args)
     return 0
@@ -241,7 +241,7 @@ def build_model(
 
         pruner = _remote_pruner(ngram_server, None)
     elif ngram_path == "embedded":
-        from dart_client.embedded_ngram import ensure_ngram
+        from dart_client.ngram.embedded import ensure_ngram
         from dart_client.ngram import NGram
 
         ngram = NGram.open(str(ensure_ngram().path))
@@ -301,7 +301,7 @@ def generate_main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     model = load_model(args)
-    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.decoding.loop import ar_generate, dart_generate
 
     fn = ar_generate if args.ar else dart_generate
     if args.raw or model.template is None:
@@ -345,7 +345,7 @@ def chat_main(argv: Sequence[str]) -> int:
     model = load_model(args)
     if model.template is None:
         raise DartError("chat needs a chat template (--template qwen|llama3|chatml)")
-    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.decoding.loop import ar_generate, dart_generate
 
     fn = ar_generate if args.ar else dart_generate
     history: list[dict[str, str]] = []

@@ -15,7 +15,7 @@ import argparse
 import time
 
 from dart_client import embedded
-from dart_client.embedded_ngram import ensure_ngram
+from dart_client.ngram.embedded import ensure_ngram
 
 EXAMPLE_CONTEXTS = [
     "<|im_start|>assistant\n",
@@ -73,9 +73,9 @@ DEMO_PROMPTS = [
 def generation_demo(max_new_tokens: int, threads: int | None) -> None:
     import torch
 
-    from dart_client.autotune import auto_budget
+    from dart_client.decoding.autotune import auto_budget
     from dart_client.dart_model import DartModel
-    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.decoding.loop import ar_generate, dart_generate
     from dart_client.ngram import NGram
 
     if threads:

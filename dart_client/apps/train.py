@@ -248,7 +248,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tree-budget", type=int, default=None, help="tau: draft nodes per step (default 60)"
     )
-    from dart_client.cli import add_prompt_lookup_argument
+    from dart_client.apps.cli import add_prompt_lookup_argument
 
     add_prompt_lookup_argument(p)
     return p

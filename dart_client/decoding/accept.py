@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dart_client.sampling import SamplingParams, target_probs
-from dart_client.verify import Tree
+from dart_client.decoding.sampling import SamplingParams, target_probs
+from dart_client.decoding.verify import Tree
 
 
 @dataclass

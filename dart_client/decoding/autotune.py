@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
-from dart_client.draft import DraftRows, draft_rows
+from dart_client.decoding.draft import DraftRows, draft_rows
 from dart_client.errors import InvalidArgumentError
-from dart_client.generate import PRUNER_CONTEXT, ar_generate, build_tree
-from dart_client.verify import Tree, verify_tree
+from dart_client.decoding.loop import PRUNER_CONTEXT, ar_generate, build_tree
+from dart_client.decoding.verify import Tree, verify_tree
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel

@@ -3,11 +3,11 @@
 One DART step, as one token's trip reads top to bottom:
 
 1. draft   -- one head forward over the newly accepted real positions + the mask slots
-              (:mod:`dart_client.draft`), top-k per row;
+              (:mod:`dart_client.decoding.draft`), top-k per row;
 2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
               sampled), its size shrunk near ``max_length`` / ``max_new_token_num``;
-3. verify  -- one target forward over every node (:mod:`dart_client.verify`);
-4. accept  -- greedy or recursive rejection (:mod:`dart_client.accept`); the accepted nodes'
+3. verify  -- one target forward over every node (:mod:`dart_client.decoding.verify`);
+4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the accepted nodes'
               K/V are compacted in place and their taps feed the next draft.
 
 ``ar_generate`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dart_client.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
-from dart_client.draft import DraftRows, draft_rows
+from dart_client.decoding.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.draft import DraftRows, draft_rows
 from dart_client.errors import (
     ContextTooLongError,
     EmptyPromptError,
     InvalidArgumentError,
     InvalidTypeError,
 )
-from dart_client.sampling import SamplingParams, make_generator, sample, target_probs
-from dart_client.verify import Tree, verify_tree
+from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
+from dart_client.decoding.verify import Tree, verify_tree
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -52,7 +52,7 @@ class TreeBuilder(Protocol):
     """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC).
 
     ``lookup_path`` (passed only when the model's ``prompt_lookup`` proposes one): tokens
-    after the root the tree should hold (:mod:`dart_client.lookup`)."""
+    after the root the tree should hold (:mod:`dart_client.decoding.lookup`)."""
 
     def build(
         self,
@@ -202,7 +202,7 @@ def dart_generate(
     target's own greedy output); otherwise sampling with ``top_p``/``top_k`` is lossless.
     ``max_length`` bounds prompt + new tokens (the KV caches never exceed it);
     ``tree_budget`` overrides the pruner's node budget (default: the model's ``tree_budget``);
-    ``"auto"`` uses the budget :mod:`dart_client.autotune` measures fastest on this machine
+    ``"auto"`` uses the budget :mod:`dart_client.decoding.autotune` measures fastest on this machine
     (tuned once per model). ``stream=True`` returns a
     :class:`GenerationStream` of text deltas and per-step statistics.
     """
@@ -301,7 +301,7 @@ def _generate(
     if tree_budget is None:
         tree_budget = getattr(model, "tree_budget", None)
     if tree_budget == "auto" and mode == "dart":
-        from dart_client.autotune import auto_budget
+        from dart_client.decoding.autotune import auto_budget
 
         tree_budget = auto_budget(model)
     elif tree_budget == "auto":

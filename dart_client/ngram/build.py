@@ -8,7 +8,7 @@ value and what was expected.
 
 Example::
 
-    from dart_client.ngram_build import build
+    from dart_client.ngram.build import build
     report = build(["corpus.jsonl"], "model.ngram", tokenizer="tokenizer.json")
     print(report["tokens"], report["tokens_per_second"])
 """

@@ -38,7 +38,7 @@ def corpus_jsonl(*, progress: bool = True) -> Path:
 
 def ensure_ngram(*, memory: str = "2G", progress: bool = True) -> EmbeddedNGram:
     """The embedded 3-gram model, built now if it is not cached yet."""
-    from dart_client.ngram_build import build
+    from dart_client.ngram.build import build
 
     path = embedded.cache_dir() / "sharegpt-train.smollm2.3gram.ngram"
     corpus = corpus_jsonl(progress=progress)

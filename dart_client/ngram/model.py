@@ -194,7 +194,3 @@ def _check_k(k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise NGramError(f"k must be a non-negative integer, got {k!r}")
     return int(k)
-
-
-# The same interface served by a `dart-ngram serve` daemon: `connect("grpc://host:port")`.
-from dart_client.remote import connect as connect  # noqa: E402

@@ -1,12 +1,12 @@
-"""Regenerates ``dart_client/proto/`` from ``proto/dart/ngram/v1/ngram.proto`` (grpcio-tools).
+"""Regenerates ``dart_client/ngram/proto/`` from ``proto/dart/ngram/v1/ngram.proto`` (grpcio-tools).
 
 The generated modules are committed so installing the package needs no protobuf compiler;
 ``tests/test_daemon_proto.py`` checks that regenerating yields identical files. Run after
 editing the .proto::
 
-    python -m dart_client.protogen
+    python -m dart_client.ngram.protogen
 
-The generated files sit flat in ``dart_client/proto/``; the gRPC module's import of its
+The generated files sit flat in ``dart_client/ngram/proto/``; the gRPC module's import of its
 message module is rewritten to that location (grpcio-tools writes it as a top-level
 ``dart.ngram.v1`` package import).
 """
@@ -23,7 +23,7 @@ PROTO_FILE = "dart/ngram/v1/ngram.proto"
 OUT_DIR = Path(__file__).resolve().parent / "proto"
 GENERATED = ("ngram_pb2.py", "ngram_pb2.pyi", "ngram_pb2_grpc.py")
 _IMPORT_AS_GENERATED = "from dart.ngram.v1 import ngram_pb2 as"
-_IMPORT_IN_PACKAGE = "from dart_client.proto import ngram_pb2 as"
+_IMPORT_IN_PACKAGE = "from dart_client.ngram.proto import ngram_pb2 as"
 
 
 def generate(out_dir: Path = OUT_DIR) -> list[Path]:
@@ -53,7 +53,7 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
                 if _IMPORT_AS_GENERATED not in text:
                     raise RuntimeError(
                         f"{name}: expected the line {_IMPORT_AS_GENERATED!r}; grpcio-tools "
-                        "changed its output, update dart_client/protogen.py"
+                        "changed its output, update dart_client/ngram/protogen.py"
                     )
                 text = text.replace(_IMPORT_AS_GENERATED, _IMPORT_IN_PACKAGE)
             dst = out_dir / name

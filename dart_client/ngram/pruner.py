@@ -20,7 +20,7 @@ Errors: ``PrunerError`` (a ``ValueError``) for bad shapes, probabilities, duplic
 budgets and configurations; ``TokenOutOfVocabError`` for ids outside the model's vocabulary;
 the ``NGramError`` family if the model fails.
 
-``dart_client.remote.RemotePruner`` offers the same methods over gRPC and returns the same
+``dart_client.ngram.remote.RemotePruner`` offers the same methods over gRPC and returns the same
 :class:`DraftTree`.
 """
 
@@ -38,7 +38,7 @@ from dart_client import _native
 from dart_client._native import PrunerError, TokenOutOfVocabError
 
 if TYPE_CHECKING:
-    from dart_client.ngram import NGram
+    from dart_client.ngram.model import NGram
 
 __all__ = ["DraftTree", "Pruner", "PrunerConfig", "PrunerError"]
 

@@ -2,8 +2,8 @@
 
 :func:`connect` returns a :class:`RemoteNGram` with the same methods and results as the
 in-process :class:`dart_client.ngram.NGram`; its :meth:`RemoteNGram.pruner` returns a
-:class:`RemotePruner` with the same methods as :class:`dart_client.pruner.Pruner`, producing
-the same :class:`dart_client.pruner.DraftTree`. Code picks local or remote by configuration::
+:class:`RemotePruner` with the same methods as :class:`dart_client.ngram.pruner.Pruner`, producing
+the same :class:`dart_client.ngram.pruner.DraftTree`. Code picks local or remote by configuration::
 
     ngram = connect("grpc://127.0.0.1:50051", expected_fingerprint=tok_fingerprint)
     pruner = ngram.pruner(PrunerConfig())
@@ -43,7 +43,7 @@ from dart_client._native import (
 from dart_client.errors import DartError
 
 if TYPE_CHECKING:
-    from dart_client.pruner import DraftTree, PrunerConfig
+    from dart_client.ngram.pruner import DraftTree, PrunerConfig
 
 __all__ = [
     "DaemonError",
@@ -471,7 +471,7 @@ class RemotePruner:
     """The draft-tree pruner run by the daemon; the same interface as ``Pruner``."""
 
     def __init__(self, ngram: RemoteNGram, config: PrunerConfig | None = None) -> None:
-        from dart_client.pruner import PrunerConfig
+        from dart_client.ngram.pruner import PrunerConfig
 
         self.ngram = ngram
         self.config = config if config is not None else PrunerConfig()
@@ -497,7 +497,7 @@ class RemotePruner:
         lookup_path: Any = None,
     ) -> DraftTree:
         """One draft tree (see ``Pruner.prune``)."""
-        from dart_client.pruner import DraftTree
+        from dart_client.ngram.pruner import DraftTree
 
         ngram = self.ngram
         out = ngram._call(
@@ -523,7 +523,7 @@ class RemotePruner:
         """Many trees in one call (see ``Pruner.prune_batch``): ``topk_ids``/``topk_probs``
         are (B, L, k), ``contexts`` B sequences, ``budgets`` B values or None,
         ``lookup_paths`` B paths (or None each) or None."""
-        from dart_client.pruner import DraftTree
+        from dart_client.ngram.pruner import DraftTree
 
         ids = _ids(topk_ids, "topk_ids", ndim=3)
         probs = _probs(topk_probs, "topk_probs", ndim=3)

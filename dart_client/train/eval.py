@@ -107,7 +107,7 @@ class TopPathTreeBuilder:
     what a pruned tree accepts; needs no n-gram model."""
 
     def build(self, context: np.ndarray, rows: object, budget: int) -> object:
-        from dart_client.verify import Tree
+        from dart_client.decoding.verify import Tree
 
         ids = rows.ids  # type: ignore[attr-defined]
         depth = min(budget, int(ids.shape[0]))

@@ -155,7 +155,7 @@ def regenerate(
 def main(argv: Sequence[str] | None = None) -> int:
     from dart_client.devices import check_device
     from dart_client.models.linear import pack_linear_layers
-    from dart_client.train.cli import _default_data, load_target
+    from dart_client.apps.train import _default_data, load_target
 
     p = argparse.ArgumentParser(
         prog="dart-regenerate",

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from dart_client.bench import harness, report
-from dart_client.cli import add_cpu_kernels_argument, add_prompt_lookup_argument
+from dart_client.apps.bench import harness, report
+from dart_client.apps.cli import add_cpu_kernels_argument, add_prompt_lookup_argument
 from dart_client.errors import DartError
 
 
@@ -115,7 +115,7 @@ def resolve_head(head: str, base: str | None, notes: list[str]) -> str:
 
 
 def load(args: argparse.Namespace, notes: list[str]) -> Any:
-    from dart_client.cli import build_model
+    from dart_client.apps.cli import build_model
 
     return build_model(
         args.base,
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, model: Any = None) -> int:
     """The benchmark the arguments describe (``model``: an already loaded DartModel)."""
-    from dart_client.autotune import MAX_CONTINUATION_TOKENS, parse_tree_budget
+    from dart_client.decoding.autotune import MAX_CONTINUATION_TOKENS, parse_tree_budget
 
     if args.threads:
         torch.set_num_threads(args.threads)

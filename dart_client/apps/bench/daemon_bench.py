@@ -1,6 +1,6 @@
 """The n-gram daemon against the in-process pruner, side by side in one run.
 
-    python -m dart_client.bench.daemon_bench --model MODEL.ngram [--requests 2000]
+    python -m dart_client.apps.bench.daemon_bench --model MODEL.ngram [--requests 2000]
         [--seconds 3] [--clients 1 4 16] [--threads 2] [--busy-poll-us 2000] [--in-memory]
 
 Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the same draft
@@ -8,7 +8,7 @@ requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
 
 * latency: round-trip time of one prune request, one client, p50 and p99 (remote: the
   client's thread sleeps until the answer comes; remote, spin: it polls for the answer for up
-  to ``SPIN`` seconds first, see ``dart_client.remote.DEFAULT_SPIN``), and the same call in
+  to ``SPIN`` seconds first, see ``dart_client.ngram.remote.DEFAULT_SPIN``), and the same call in
   process; and the round trip of an empty call (a health check), the transport's own floor;
 * throughput: prunes per second with 1, 4 and 16 concurrent clients, each client its own
   process (as GPU workers are), remote and in process.
@@ -88,7 +88,7 @@ def make_drafts(model_path: str, n: int, levels: int, k: int, seed: int) -> list
 
 
 def make_pruner(kind: str, model_path: str, url: str, in_memory: bool = False) -> Any:
-    from dart_client.pruner import PrunerConfig
+    from dart_client.ngram.pruner import PrunerConfig
 
     if kind.startswith("remote"):
         from dart_client.ngram import connect
@@ -96,7 +96,7 @@ def make_pruner(kind: str, model_path: str, url: str, in_memory: bool = False) -
         spin = SPIN if kind == SPIN_KIND else 0.0
         return connect(url, timeout=30, spin=spin).pruner(PrunerConfig())
     from dart_client.ngram import NGram
-    from dart_client.pruner import Pruner
+    from dart_client.ngram.pruner import Pruner
 
     return Pruner(NGram.open(model_path, in_memory=in_memory), PrunerConfig())
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from dart_client.local_daemon import LocalDaemon
+    from dart_client.ngram.daemon import LocalDaemon
 
     extra: list[str] = []
     if args.threads:

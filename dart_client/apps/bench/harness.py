@@ -14,7 +14,7 @@ Workloads (each prompt becomes token ids once, so every method sees the same inp
 
 Methods on one target (one process, one load): ``ar`` (``ar_generate``), ``hf``
 (transformers' ``generate``), ``pld`` (transformers' prompt lookup decoding), ``dart`` (with
-the model's prompt lookup merged into its trees, :mod:`dart_client.lookup`), ``dart-no-ngram``
+the model's prompt lookup merged into its trees, :mod:`dart_client.decoding.lookup`), ``dart-no-ngram``
 (the pruner with ``ngram_weight=0``), ``dart-no-lookup`` (the paper's trees: no prompt
 lookup), ``dart-remote`` (the pruner served by a ``dart-ngram serve`` daemon; ``--remote auto``
 starts one on an ephemeral loopback port).
@@ -52,8 +52,8 @@ import torch
 from dart_client import _native
 from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
-from dart_client.generate import STAGES
-from dart_client.local_daemon import LocalDaemon
+from dart_client.decoding.loop import STAGES
+from dart_client.ngram.daemon import LocalDaemon
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -346,7 +346,7 @@ class DartLoopMethod(Method):
         self.tree_budget = tree_budget
 
     def run(self, ids: list[int], settings: Settings, seed: int) -> Run:
-        from dart_client.generate import (
+        from dart_client.decoding.loop import (
             GenerationResult,
             ar_generate,
             dart_generate,
@@ -436,7 +436,7 @@ def build_methods(
     ``calibration_tokens`` tokens. Methods that cannot run here are left out with a note
     saying why."""
     from dart_client.dart_model import DartModel
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     notes = notes if notes is not None else []
     closers = closers if closers is not None else []
@@ -450,7 +450,7 @@ def build_methods(
     base.tokenizer = None
     config = getattr(model.pruner, "config", None) or PrunerConfig()
     if tree_budget == "auto" and model.head is not None and model.tree_builder is not None:
-        from dart_client.autotune import auto_budget
+        from dart_client.decoding.autotune import auto_budget
 
         # Once, with the in-process pruner; every DART method shares it.
         auto_budget(
@@ -540,7 +540,7 @@ def _remote_pruner(
         notes.append("dart-remote: skipped (pass --remote auto or --remote host:port)")
         return None
     try:
-        from dart_client.remote import connect
+        from dart_client.ngram.remote import connect
     except ImportError as err:
         notes.append(f"dart-remote: skipped (the remote client is unavailable: {err})")
         return None

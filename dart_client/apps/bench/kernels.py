@@ -1,6 +1,6 @@
 """The target's forward cost per tree size, with and without the CPU decoding kernels.
 
-    python -m dart_client.bench.kernels [--base MODEL] [--dtype bf16] [--context 300]
+    python -m dart_client.apps.bench.kernels [--base MODEL] [--dtype bf16] [--context 300]
         [--sizes 1 2 4 8 16 32 64] [--repeats 7] [--threads N] [--json OUT.json]
 
 One model is loaded; for every tree size it times the target forward (``verify``: inside
@@ -10,7 +10,7 @@ PyTorch's own kernels (``plain``) and the decoding kernels of
 with oneDNN's matmul (``onednn``) and with DART's (``dart``, bf16 on AVX-512 CPUs), so all
 see the same machine state. Reported: the median milliseconds and the
 cost relative to one token with the same kernels -- the ratio that decides how large a tree
-pays off (see :mod:`dart_client.autotune`).
+pays off (see :mod:`dart_client.decoding.autotune`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.sizes) < 1 or args.context < 1 or args.repeats < 1:
         p.error("--sizes, --context and --repeats must be positive")
 
-    from dart_client.cli import build_model
+    from dart_client.apps.cli import build_model
 
     model = build_model(args.base, None, None, dtype=args.dtype, ar=True)
     target: TargetModel = model.target

@@ -1,6 +1,6 @@
 """What calling the Rust pruner from Python costs on top of the pruning itself.
 
-    python -m dart_client.bench.pruner_overhead --model MODEL.ngram [--requests 200]
+    python -m dart_client.apps.bench.pruner_overhead --model MODEL.ngram [--requests 200]
         [--repeats 20]
 
 On the same draft requests (k = 25, 8 levels, default configuration: beam 20, 60 nodes) it
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dart_client.ngram import NGram
-from dart_client.pruner import Pruner
+from dart_client.ngram.pruner import Pruner
 
 LEVELS, K = 8, 25
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dart_client.bench.harness import WorkloadRuns
-from dart_client.generate import STAGES
+from dart_client.apps.bench.harness import WorkloadRuns
+from dart_client.decoding.loop import STAGES
 
 #: generate.STAGES plus the time outside them (Python between stages, stream bookkeeping).
 SHOWN_STAGES = (*(s for s in STAGES if s != "prefill"), "prefill", "other")

@@ -1,6 +1,6 @@
 """Per-stage timings of DART steps, and DART vs autoregressive tokens/s.
 
-    python -m dart_client.bench.step_profile [--base MODEL] [--head DIR|random]
+    python -m dart_client.apps.bench.step_profile [--base MODEL] [--head DIR|random]
         [--ngram PATH|embedded] [--dtype bf16] [--prompts 8] [--max-new 64] [--threads N]
         [--clock wall|cpu] [--json OUT.json]
 
@@ -8,7 +8,7 @@ Defaults: the embedded SmolLM2-135M-Instruct in bf16 on CPU, an untrained random
 (tau near 1 is expected; the trained head comes with the training issue), the embedded
 ShareGPT 3-gram, Spec-Bench questions formatted with the tokenizer's chat template, greedy.
 
-Every step's time is in exactly one stage of :data:`dart_client.generate.STAGES` (draft,
+Every step's time is in exactly one stage of :data:`dart_client.decoding.loop.STAGES` (draft,
 prune, inputs, verify, accept, compact, emit; ``verify`` is only the time inside the target's
 forward call). Reported per stage: the median and the mean over all steps; then the
 non-forward overhead of a DART step, ``step time - verify``, relative to one AR target
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from dart_client.cli import add_cpu_kernels_argument
-from dart_client.generate import STAGES, GenerationResult, GenerationStream
+from dart_client.apps.cli import add_cpu_kernels_argument
+from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench"
 #: The per-step stages (``prefill`` is once per generation).
@@ -81,7 +81,7 @@ def profile(
 ) -> dict[str, Any]:
     """DART and AR on each prompt (interleaved), their per-step stage timings and the
     overhead figures; times in milliseconds."""
-    from dart_client.generate import ar_generate, dart_generate
+    from dart_client.decoding.loop import ar_generate, dart_generate
 
     # Warm-up: first calls allocate and select kernels.
     run_steps(dart_generate(model, prompt=prompts[0], max_new_token_num=4, stream=True))
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         p.error("--clock cpu counts the calling thread only: use it with --threads 1")
 
-    from dart_client.cli import build_model
+    from dart_client.apps.cli import build_model
 
     model = build_model(
         args.base, args.head, args.ngram, dtype=args.dtype, cpu_kernels=args.cpu_kernels

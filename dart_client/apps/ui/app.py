@@ -6,7 +6,7 @@
 Loads the embedded default (SmolLM2-135M-Instruct bf16 on CPU, the head shipped for it in
 ``dart_client/heads/smollm2-135m-dart``, else a random one, the ShareGPT 3-gram) unless other
 models are given. The page streams one prompt through both methods (see
-:mod:`dart_client.ui.race`), shows tokens/s, tau and the speedup, and shades each DART step's
+:mod:`dart_client.apps.ui.race`), shows tokens/s, tau and the speedup, and shades each DART step's
 accepted run; temperature, top-p, top-k, the token limit, the tree budget and the seed are
 adjustable. :func:`build_app` takes any loaded :class:`DartModel` (the tests pass a tiny one).
 """
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dart_client.ui.race import RaceSettings, prompt_ids, race, render_pane, render_stats
+from dart_client.apps.ui.race import RaceSettings, prompt_ids, race, render_pane, render_stats
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -192,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    from dart_client.bench.cli import resolve_head
-    from dart_client.cli import build_model
+    from dart_client.apps.bench.cli import resolve_head
+    from dart_client.apps.cli import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -66,11 +66,11 @@ def race(
     model: DartModel, ids: list[int], settings: RaceSettings, min_interval: float = 0.05
 ) -> Iterator[tuple[Side, Side]]:
     """Yields (ar, dart) after steps (at most every ``min_interval`` s), and once at the end."""
-    from dart_client.generate import ar_generate, dart_generate, request_kwargs
+    from dart_client.decoding.loop import ar_generate, dart_generate, request_kwargs
 
     budget = settings.tree_budget
     if budget == "auto":
-        from dart_client.autotune import auto_budget
+        from dart_client.decoding.autotune import auto_budget
 
         budget = auto_budget(model)
     kwargs = request_kwargs(ids, settings, stream=True)

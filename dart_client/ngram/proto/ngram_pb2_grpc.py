@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from dart_client.proto import ngram_pb2 as dart_dot_ngram_dot_v1_dot_ngram__pb2
+from dart_client.ngram.proto import ngram_pb2 as dart_dot_ngram_dot_v1_dot_ngram__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

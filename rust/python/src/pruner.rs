@@ -1,7 +1,7 @@
 //! Python binding of `dart_pruner::Pruner` over a mapped model (`dart_client._native.Pruner`).
 //!
 //! Ids arrive as int64 numpy arrays and probabilities as float32 (the wrapper in
-//! `dart_client/pruner.py` converts lists, tensors and other dtypes, and passes only the tail
+//! `dart_client/ngram/pruner.py` converts lists, tensors and other dtypes, and passes only the tail
 //! of the context the n-gram model reads). Each tree goes back as a tuple of numpy arrays that
 //! own the Rust buffers (no copy): `(tokens, parents, depths, attention_mask, retrieve_indices,
 //! scores)`. The work runs with the GIL released.
@@ -101,7 +101,7 @@ struct Owned {
     lookup: Vec<u32>,
 }
 
-/// A pruner over a mapped n-gram model (see `dart_client.pruner.Pruner`).
+/// A pruner over a mapped n-gram model (see `dart_client.ngram.pruner.Pruner`).
 #[pyclass(name = "Pruner", module = "dart_client._native", frozen)]
 pub struct PyPruner {
     inner: Pruner<Arc<NGramModel>>,
@@ -208,7 +208,7 @@ impl PyPruner {
 
     /// Seconds taken by each of `repeats` prunes of one request, timed inside Rust with the
     /// GIL released: the baseline the Python call's overhead is measured against
-    /// (`dart_client/bench/pruner_overhead.py`).
+    /// (`dart_client/apps/bench/pruner_overhead.py`).
     fn time_prune<'py>(
         &self,
         py: Python<'py>,
@@ -378,7 +378,7 @@ fn request<'a>(
 }
 
 /// `dart_pruner::PromptLookup`: an incremental prompt-lookup index over one sequence (see
-/// `dart_client.lookup`).
+/// `dart_client.decoding.lookup`).
 #[pyclass(name = "PromptLookup", module = "dart_client._native")]
 pub struct PyPromptLookup {
     inner: PromptLookup,

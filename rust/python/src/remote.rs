@@ -1,5 +1,5 @@
 //! The gRPC client of a `dart-ngram serve` daemon (`dart_client._native.DaemonClient`), under
-//! `dart_client/remote.py`.
+//! `dart_client/ngram/remote.py`.
 //!
 //! Why native: a prune over loopback must cost little more than the prune itself. grpcio's
 //! Python unary call alone takes ~0.15-0.2 ms per call on a loaded 2-core machine, about the
@@ -13,7 +13,7 @@
 //! share the runtime's driver); their calls share the connection as HTTP/2 streams.
 //!
 //! Failures are `DaemonStatusError(code, details)`, `code` being the gRPC status code as an
-//! int: `dart_client/remote.py` classifies them, retries the transient ones and raises its
+//! int: `dart_client/ngram/remote.py` classifies them, retries the transient ones and raises its
 //! exception family. Every call has a deadline (`timeout` seconds), enforced here and sent to
 //! the daemon as `grpc-timeout`.
 
@@ -40,7 +40,7 @@ pyo3::create_exception!(
     DaemonStatusError,
     pyo3::exceptions::PyException,
     "A call to the n-gram daemon failed: args are (gRPC status code as int, details). \
-     dart_client.remote turns it into its DaemonError family."
+     dart_client.ngram.remote turns it into its DaemonError family."
 );
 
 fn status_err(code: Code, details: impl Into<String>) -> PyErr {
@@ -176,7 +176,7 @@ struct Conn {
 /// side polling). While spinning, each round lets the runtime read the socket without
 /// blocking, then yields the CPU to any other runnable thread (the daemon's, when both share
 /// a CPU); several polling clients on few CPUs still slow the daemon down, hence off by
-/// default (`dart_client.remote.DEFAULT_SPIN`).
+/// default (`dart_client.ngram.remote.DEFAULT_SPIN`).
 async fn spin_then_wait<F: std::future::Future>(fut: F, spin: Duration) -> F::Output {
     use std::task::Poll;
     tokio::pin!(fut);
