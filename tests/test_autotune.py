@@ -25,9 +25,9 @@ from dart_client.decoding.autotune import (
     parse_tree_budget,
 )
 from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.verify import Tree
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.head import DartHead
-from dart_client.decoding.verify import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,6 +25,8 @@ import dart_client.decoding.loop as generate_module
 from dart_client import DartModel, ar_generate, dart_generate
 from dart_client.decoding.accept import Acceptance, accept_sampling
 from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.sampling import SamplingParams, target_probs
+from dart_client.decoding.verify import Tree
 from dart_client.errors import (
     ContextTooLongError,
     DartError,
@@ -34,8 +36,6 @@ from dart_client.errors import (
     InvalidTypeError,
 )
 from dart_client.models.head import DartHead
-from dart_client.decoding.sampling import SamplingParams, target_probs
-from dart_client.decoding.verify import Tree
 
 ARCHS = ("llama", "qwen3")
 WORD_TOKENIZER = make_tiny_tokenizer()

@@ -16,8 +16,8 @@ import torch
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
 from dart_client.decoding.draft import DraftRows
-from dart_client.models.head import DartHead
 from dart_client.decoding.verify import Tree
+from dart_client.models.head import DartHead
 
 PROMPTS = [
     "What is the capital of France?",

@@ -15,7 +15,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dart_client.errors import InvalidArgumentError, InvalidTypeError
 from dart_client.decoding.sampling import (
     SamplingParams,
     make_generator,
@@ -24,6 +23,7 @@ from dart_client.decoding.sampling import (
     top_p_filter,
     warp_logits,
 )
+from dart_client.errors import InvalidArgumentError, InvalidTypeError
 
 
 def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.models.head import DartHead
 from dart_client.apps.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
+from dart_client.models.head import DartHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

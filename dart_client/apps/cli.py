@@ -15,7 +15,21 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dart_client._native import DaemonStatusError, KernelError, NGramError, PrunerError
+from dart_client.apps.options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    check_model_arguments,
+    generation_config,
+    load_model,
+)
 from dart_client.errors import DartError
+
+#: Errors a user can cause, native ones included: one line on stderr and exit status 1.
+USER_ERRORS = (DartError, NGramError, PrunerError, KernelError, DaemonStatusError, OSError)
+
+#: The exit status after Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
 
 #: name -> ("module:function", one-line help). Other parts of the project add theirs here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -23,11 +37,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("dart_client.apps.cli:chat_main", "interactive chat with streamed replies"),
     "train": ("dart_client.apps.train:train_main", "train a DART head"),
     "eval-head": ("dart_client.apps.train:eval_main", "measure a head's acceptance"),
-    "demo": ("dart_client.apps.cli:demo_main", "the embedded-default demo (--ui: side-by-side page)"),
-    "bench": ("dart_client.apps.bench.cli:main", "benchmark DART against the baselines (dart-bench)"),
+    "demo": (
+        "dart_client.apps.cli:demo_main",
+        "the embedded-default demo (--ui: side-by-side page)",
+    ),
+    "bench": (
+        "dart_client.apps.bench.cli:main",
+        "benchmark DART against the baselines (dart-bench)",
+    ),
 }
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,13 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, AttributeError) as err:
         print(f"dart {name}: not available in this installation ({err})", file=sys.stderr)
         return 2
+    return run_command(f"dart {name}", func, rest)
+
+
+def run_command(prog: str, func: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """``func(argv)``'s status; a user error (native ones too) prints one line and gives 1,
+    Ctrl-C gives 130, a usage error argparse's 2."""
     try:
-        status = func(rest)
-    except DartError as err:
-        print(f"dart {name}: error: {err}", file=sys.stderr)
+        status = func(argv)
+    except USER_ERRORS as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return int(status or 0)
 
 
@@ -62,90 +88,6 @@ def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     lines = [f"  {n:<{width}}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
     return "usage: dart COMMAND [ARGS...]\n\ncommands:\n" + "\n".join(lines)
-
-
-# -- shared model options ---------------------------------------------------------------------
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--base",
-        help="target model: local path, hub id or .gguf file "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--head",
-        help="DART head directory or hub id; 'random' for an untrained "
-        "head (tau near 1); omit with --ar",
-    )
-    g.add_argument(
-        "--ngram",
-        help="n-gram model (.ngram, .trie, directory or hub id); "
-        "'embedded' for the ShareGPT 3-gram of the embedded default",
-    )
-    g.add_argument("--small-ngram", action="store_true", help="use the directory's small model")
-    g.add_argument("--ngram-server", help="host:port of an n-gram daemon instead of --ngram")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    g.add_argument("--device", default="cpu", help="device_map for the target (default cpu)")
-    g.add_argument(
-        "--template",
-        default="auto",
-        help="chat template: auto (the tokenizer's), qwen, llama3, chatml, none",
-    )
-    g.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking")
-    g.add_argument("--ar", action="store_true", help="plain autoregressive decoding")
-    add_prompt_lookup_argument(g)
-    add_cpu_kernels_argument(g)
-
-
-def add_prompt_lookup_argument(g: Any) -> None:
-    """``--prompt-lookup N`` (``args.prompt_lookup``): see :mod:`dart_client.decoding.lookup`."""
-    g.add_argument(
-        "--prompt-lookup",
-        type=int,
-        default=8,
-        metavar="N",
-        help="merge a prompt-lookup path of up to N tokens (what followed the context's last "
-        "tokens earlier in it) into every draft tree; 0 = off, the paper's trees (default 8)",
-    )
-
-
-def add_cpu_kernels_argument(g: Any) -> None:
-    """``--no-cpu-kernels`` (``args.cpu_kernels``): see :class:`TargetModel`."""
-    g.add_argument(
-        "--no-cpu-kernels",
-        dest="cpu_kernels",
-        action="store_false",
-        help="run the target on PyTorch's plain CPU kernels, not the decoding ones (oneDNN-"
-        "packed weights, which take a second copy of them, and small-query attention)",
-    )
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--max-length", type=int, default=2048)
-    g.add_argument(
-        "--tree-budget",
-        type=_tree_budget,
-        default=None,
-        help="draft nodes per step, or 'auto' (measured on this machine)",
-    )
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None)
-
-
-def _tree_budget(value: str) -> int | str | None:
-    from dart_client.decoding.autotune import parse_tree_budget
-
-    try:
-        return parse_tree_budget(value)
-    except DartError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def demo_main(argv: Sequence[str]) -> int:
@@ -160,117 +102,6 @@ def demo_main(argv: Sequence[str]) -> int:
 
     ngram_demo_main(args)
     return 0
-
-
-def load_model(args: argparse.Namespace) -> Any:
-    """Build the DartModel the command-line options describe."""
-    return build_model(
-        args.base,
-        args.head,
-        args.ngram,
-        dtype=args.dtype,
-        device=args.device,
-        template=args.template,
-        small_ngram=args.small_ngram,
-        ngram_server=args.ngram_server,
-        ar=args.ar,
-        cpu_kernels=args.cpu_kernels,
-        prompt_lookup=args.prompt_lookup,
-    )
-
-
-def build_model(
-    base: str | None,
-    head_dir: str | None,
-    ngram_path: str | None,
-    *,
-    dtype: str,
-    device: str = "cpu",
-    template: str = "auto",
-    small_ngram: bool = False,
-    ngram_server: str | None = None,
-    ar: bool = False,
-    cpu_kernels: bool = True,
-    prompt_lookup: int = 8,
-) -> Any:
-    """The DartModel of a target (None = embedded SmolLM2), a head directory (or "random")
-    and an n-gram (a path, "embedded", or a daemon URL in ``ngram_server``);
-    ``prompt_lookup``: the longest prompt-lookup path merged into each tree (0 = off)."""
-    import torch
-
-    from dart_client.dart_model import DartModel, load_ngram
-    from dart_client.devices import check_device
-    from dart_client.models.head import DartHead
-
-    if device != "auto":  # device_map="auto" lets accelerate place the layers
-        check_device(device)
-    if base is None:
-        from dart_client.embedded import smollm2_gguf
-
-        base = str(smollm2_gguf())
-    dtype = DTYPES[dtype]
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = DartModel.from_pretrained(
-        base,
-        None,
-        torch_dtype=torch_dtype,
-        device_map=None if device == "cpu" else device,
-        cpu_kernels=cpu_kernels,
-    )
-    if template == "none":
-        model.template = None
-    elif template != "auto":
-        from dart_client.templates import TEMPLATE_REGISTRY
-
-        model.template = TEMPLATE_REGISTRY[template]
-    if ar:
-        return model
-    if head_dir is None:
-        raise DartError("pass --head DIR (or --head random for an untrained head), or use --ar")
-    if head_dir == "random":
-        head = DartHead.random_init(
-            model.target.config, draft_vocab_size=min(8192, model.target.vocab_size)
-        )
-        print("note: an untrained random head drafts nothing useful (tau near 1)", file=sys.stderr)
-    else:
-        head = DartHead.from_pretrained(head_dir)
-    ngram = None
-    pruner = None
-    if ngram_server:
-        from dart_client.dart_model import _remote_pruner
-
-        pruner = _remote_pruner(ngram_server, None)
-    elif ngram_path == "embedded":
-        from dart_client.ngram.embedded import ensure_ngram
-        from dart_client.ngram import NGram
-
-        ngram = NGram.open(str(ensure_ngram().path))
-    elif ngram_path:
-        ngram = load_ngram(ngram_path, is_small=small_ngram)
-    else:
-        raise DartError("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
-    return DartModel(
-        model.target,
-        head,
-        tokenizer=model.tokenizer,
-        ngram=ngram,
-        pruner=pruner,
-        template=model.template,
-        prompt_lookup=prompt_lookup,
-    )
-
-
-def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_token_num=args.max_new_tokens,
-        max_length=args.max_length,
-        stop=args.stop,
-        tree_budget=args.tree_budget,
-        seed=args.seed,
-    )
 
 
 def _format_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -299,19 +130,31 @@ def generate_main(argv: Sequence[str]) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(list(argv))
+    config = generation_config(args, p)
+    check_model_arguments(args, p)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        p.error("the prompt is empty" + (" (read from stdin)" if args.prompt is None else ""))
     model = load_model(args)
-    from dart_client.decoding.loop import ar_generate, dart_generate
-
-    fn = ar_generate if args.ar else dart_generate
+    mode = "ar" if args.ar else "dart"
     if args.raw or model.template is None:
-        result = fn(model, prompt=prompt, **_gen_kwargs(args))
+        text = prompt
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
         text = model.template.format(messages=messages, **_format_options(args))
-        result = fn(model, prompt=text, **_gen_kwargs(args))
+    stream = model.generate(text, config, mode=mode, stream=True)
+    pieces: list[str] = []
+    try:
+        for event in stream:
+            pieces.append(event.text)
+    except KeyboardInterrupt:
+        # What was generated before Ctrl-C is the user's: print it, then report.
+        print("".join(pieces), flush=True)
+        raise
+    result = stream.result
+    assert result is not None
     if args.json:
         print(
             json.dumps(
@@ -342,12 +185,14 @@ def chat_main(argv: Sequence[str]) -> int:
     p.add_argument("--system", help="system message")
     p.add_argument("--stats", action="store_true", help="print tau and speed after each reply")
     args = p.parse_args(list(argv))
+    config = generation_config(args, p)
+    check_model_arguments(args, p)
+    if args.template == "none":
+        p.error("chat needs a chat template (--template auto|qwen|llama3|chatml)")
     model = load_model(args)
     if model.template is None:
         raise DartError("chat needs a chat template (--template qwen|llama3|chatml)")
-    from dart_client.decoding.loop import ar_generate, dart_generate
-
-    fn = ar_generate if args.ar else dart_generate
+    mode = "ar" if args.ar else "dart"
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -361,11 +206,12 @@ def chat_main(argv: Sequence[str]) -> int:
             break
         history.append({"role": "user", "content": line})
         text = model.template.format(messages=history, **_format_options(args))
-        stream = fn(model, prompt=text, stream=True, **_gen_kwargs(args))
-        for event in stream:
+        stream = model.generate(text, config, mode=mode, stream=True)
+        for event in stream:  # Ctrl-C: the text so far is already printed
             print(event.text, end="", flush=True)
         print()
         result = stream.result
+        assert result is not None
         history.append({"role": "assistant", "content": result.text})
         if args.stats:
             print(_stats(result), file=sys.stderr)

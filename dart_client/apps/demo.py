@@ -73,9 +73,7 @@ DEMO_PROMPTS = [
 def generation_demo(max_new_tokens: int, threads: int | None) -> None:
     import torch
 
-    from dart_client.decoding.autotune import auto_budget
     from dart_client.dart_model import DartModel
-    from dart_client.decoding.loop import ar_generate, dart_generate
     from dart_client.ngram import NGram
 
     if threads:
@@ -91,21 +89,21 @@ def generation_demo(max_new_tokens: int, threads: int | None) -> None:
         tree_budget="auto",
     )
     # The tree size that is fastest on this machine (a CPU affords far fewer nodes than a GPU).
-    budget = auto_budget(dart)
+    budget = dart.tune()
     print(
         f"\nSmolLM2-135M-Instruct bf16 on CPU, head {head.name}, greedy, "
         f"{max_new_tokens} new tokens per prompt; tree of {budget} draft nodes, auto-tuned in "
         f"{dart.tree_tuning.seconds:.1f} s"
     )
     # One short warm-up of each, so first-call costs don't count.
-    for generate in (ar_generate, dart_generate):
-        generate(dart, messages=[{"role": "user", "content": "Hi"}], max_new_token_num=8)
+    for mode in ("ar", "dart"):
+        dart.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=8, mode=mode)
     totals = {"ar": [0, 0.0], "dart": [0, 0.0]}
     steps = accepted = 0
     for prompt in DEMO_PROMPTS:
         messages = [{"role": "user", "content": prompt}]
-        ar = ar_generate(dart, messages=messages, max_new_token_num=max_new_tokens)
-        out = dart_generate(dart, messages=messages, max_new_token_num=max_new_tokens)
+        ar = dart.generate(messages=messages, max_new_tokens=max_new_tokens, mode="ar")
+        out = dart.generate(messages=messages, max_new_tokens=max_new_tokens)
         for name, result in (("ar", ar), ("dart", out)):
             totals[name][0] += len(result.tokens)
             totals[name][1] += result.elapsed

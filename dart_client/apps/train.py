@@ -8,40 +8,17 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dart_client.apps.options import add_prompt_lookup_argument
+from dart_client.data.conversations import Conversation, is_held_out
+from dart_client.data.prompt_response import read_conversations
 from dart_client.errors import DartError
-
-
-def load_target(spec: str | None, dtype: str) -> tuple[Any, Any, str]:
-    """(model, tokenizer, description): a transformers directory / hub id, a ``.gguf`` file,
-    or the embedded default SmolLM2-135M-Instruct when ``spec`` is None."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dart_client.dart_model import gguf_unpacked
-    from dart_client.train.trainer import DTYPES
-
-    torch_dtype = DTYPES[dtype]
-    if spec is None:
-        from dart_client.embedded import smollm2_gguf
-
-        spec = str(smollm2_gguf())
-    path = Path(spec)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise DartError(f"{path}: GGUF file not found")
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch_dtype, **gguf_unpacked()
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    return model.eval(), tokenizer, spec
+from dart_client.loading import DTYPES, load_target
 
 
 def _default_data() -> list[str]:
@@ -139,7 +116,8 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
     )
-    model, tokenizer, target_desc = load_target(args.target, args.target_dtype)
+    model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+    target_desc = args.target or "the embedded SmolLM2-135M-Instruct"
     data_paths = args.data or _default_data()
     cache = out / "data-cache"
     # Rank 0 tokenises; the others wait and read the same cached file.
@@ -248,8 +226,6 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tree-budget", type=int, default=None, help="tau: draft nodes per step (default 60)"
     )
-    from dart_client.apps.cli import add_prompt_lookup_argument
-
     add_prompt_lookup_argument(p)
     return p
 
@@ -271,7 +247,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, target_desc = load_target(args.target, args.target_dtype)
+    model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+    target_desc = args.target or "the embedded SmolLM2-135M-Instruct"
     head = DartHead.from_pretrained(args.head)
     head.check_compatible(model.config)
     head = head.to(torch.float32)
@@ -322,9 +299,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _tau(
     args: argparse.Namespace, model: Any, tokenizer: Any, head: Any, data_paths: list[str]
 ) -> Any:
-    from dart_client.dart_model import DartModel, load_ngram
-    from dart_client.data.conversations import is_held_out
-    from dart_client.data.prompt_response import read_conversations
+    from dart_client.dart_model import DartModel
+    from dart_client.loading import load_ngram
     from dart_client.train.eval import TopPathTreeBuilder, generation_tau
     from dart_client.train.regenerate import first_prompt
 
@@ -359,6 +335,65 @@ def _tau(
         dart = DartModel(model, head, tokenizer=tokenizer, tree_builder=TopPathTreeBuilder())
         tree = "chain"
     return generation_tau(dart, prompts, max_new_tokens=args.max_new_tokens, tree=tree)
+
+
+def regenerate_main(argv: Sequence[str] | None = None) -> int:
+    from dart_client.devices import check_device
+    from dart_client.models.linear import pack_linear_layers
+    from dart_client.train.regenerate import regenerate
+
+    p = argparse.ArgumentParser(
+        prog="dart-regenerate",
+        description="Regenerate the assistant's answers with the target itself (resumable).",
+    )
+    p.add_argument("--target", help="HF dir/hub id or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--target-dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--data", nargs="+", help="conversation files (default: embedded ShareGPT)")
+    p.add_argument("--split", default="train", choices=["train", "held_out", "all"])
+    p.add_argument("--output", required=True, help="JSONL to append to (resumed if present)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, help="stop after this many conversations in total")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
+    args = p.parse_args(argv)
+    try:
+        device = check_device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+        model.to(device)
+        # Batched decoding multiplies a few dozen rows per step: faster with packed weights
+        # (a no-op off the CPU).
+        pack_linear_layers(model)
+
+        def selected() -> Iterator[Conversation]:
+            for path in args.data or _default_data():
+                for conv in read_conversations(path):
+                    held = is_held_out(conv.id)
+                    if args.split == "all" or held == (args.split == "held_out"):
+                        yield conv
+
+        n = regenerate(
+            model,
+            tokenizer,
+            selected(),
+            args.output,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            limit=args.limit,
+        )
+    except DartError as err:
+        print(f"dart-regenerate: error: {err}", file=sys.stderr)
+        return 2
+    print(f"dart-regenerate: {n} conversations written to {args.output}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,13 +32,15 @@ import numpy as np
 import torch
 
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
+from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
-from dart_client.errors import InvalidArgumentError
-from dart_client.decoding.loop import PRUNER_CONTEXT, ar_generate, build_tree
+from dart_client.decoding.loop import PRUNER_CONTEXT, generate
+from dart_client.decoding.prune import build_tree
 from dart_client.decoding.verify import Tree, verify_tree
+from dart_client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from dart_client.dart_model import DartModel
+    from dart_client.decoding.loop import DecodingModel as DartModel
 
 #: Budgets (draft nodes, root not counted) measured by default; 60 is the reference's GPU value.
 #: 11 and 31 are the largest trees (12 and 32 rows with the root) that DART's CPU matmul
@@ -232,24 +234,6 @@ def auto_budget(model: DartModel, **kwargs: Any) -> int:
     return tuning.best_budget
 
 
-def parse_tree_budget(value: str | int | None) -> int | str | None:
-    """A command-line ``--tree-budget``: an int >= 0, ``auto``, or None."""
-    if value is None or isinstance(value, int):
-        return value
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        budget = int(text)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"tree budget {value!r}: expected an integer >= 0 or 'auto'"
-        ) from None
-    if budget < 0:
-        raise InvalidArgumentError(f"tree budget {value!r}: expected an integer >= 0 or 'auto'")
-    return budget
-
-
 # -- internals -------------------------------------------------------------------------------
 
 
@@ -301,7 +285,9 @@ class _Calibration:
         self.prompt_len = len(prompt)
         self.max_new = new_tokens
         self.clock = clock
-        result = ar_generate(model, input_ids=prompt, max_new_token_num=new_tokens)
+        result = generate(
+            model, GenerationConfig(max_new_tokens=new_tokens), mode="ar", input_ids=prompt
+        )
         self.generated = len(result.tokens)
         self.seq = [*prompt, *result.tokens]
         self.draft_seconds: list[float] = []

@@ -1,16 +1,16 @@
-"""Generation: ``dart_generate`` (speculative, lossless) and ``ar_generate`` (the baseline).
+"""The generation loop: speculative (lossless) DART decoding and the autoregressive baseline.
 
 One DART step, as one token's trip reads top to bottom:
 
 1. draft   -- one head forward over the newly accepted real positions + the mask slots
               (:mod:`dart_client.decoding.draft`), top-k per row;
 2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
-              sampled), its size shrunk near ``max_length`` / ``max_new_token_num``;
+              sampled), its size shrunk near ``max_length`` / ``max_new_tokens``;
 3. verify  -- one target forward over every node (:mod:`dart_client.decoding.verify`);
-4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the accepted nodes'
-              K/V are compacted in place and their taps feed the next draft.
+4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the
+              accepted nodes' K/V are compacted in place and their taps feed the next draft.
 
-``ar_generate`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
+``mode="ar"`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
 and seed handling, so the two are comparable for speed and for losslessness.
 
 Every step's time falls in exactly one stage of :data:`STAGES` (see
@@ -28,18 +28,17 @@ import numpy as np
 import torch
 
 from dart_client.decoding.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
-from dart_client.errors import (
-    ContextTooLongError,
-    EmptyPromptError,
-    InvalidArgumentError,
-    InvalidTypeError,
-)
+from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
+from dart_client.decoding.prune import TreeBuilder, build_tree
 from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
 from dart_client.decoding.verify import Tree, verify_tree
+from dart_client.errors import ContextTooLongError, EmptyPromptError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from dart_client.dart_model import DartModel
+    from dart_client.models.head import DartHead
+    from dart_client.models.target import TargetModel
 
 #: Keys of :attr:`GenerationResult.timings` (documented there).
 STAGES = ("prefill", "draft", "prune", "inputs", "verify", "accept", "compact", "emit")
@@ -48,60 +47,12 @@ STAGES = ("prefill", "draft", "prune", "inputs", "verify", "accept", "compact", 
 PRUNER_CONTEXT = 8
 
 
-class TreeBuilder(Protocol):
-    """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC).
-
-    ``lookup_path`` (passed only when the model's ``prompt_lookup`` proposes one): tokens
-    after the root the tree should hold (:mod:`dart_client.decoding.lookup`)."""
-
-    def build(
-        self,
-        context: np.ndarray,
-        rows: DraftRows,
-        budget: int,
-        lookup_path: np.ndarray | None = None,
-    ) -> Tree: ...
-
-
-class PrunerTreeBuilder:
-    """A :class:`TreeBuilder` over any object with the pruner's ``prune`` method."""
-
-    def __init__(self, pruner: Any) -> None:
-        self.pruner = pruner
-
-    def build(
-        self,
-        context: np.ndarray,
-        rows: DraftRows,
-        budget: int,
-        lookup_path: np.ndarray | None = None,
-    ) -> Tree:
-        tree = self.pruner.prune(
-            context, rows.ids, rows.probs, budget=budget, lookup_path=lookup_path
-        )
-        return Tree.from_draft_tree(tree)
-
-
-def build_tree(
-    builder: TreeBuilder,
-    context: np.ndarray,
-    rows: DraftRows,
-    budget: int,
-    lookup_path: np.ndarray | None,
-) -> Tree:
-    """``builder.build``, passing ``lookup_path`` only when there is one (a builder written
-    before prompt lookup need not take it)."""
-    if lookup_path is None or not lookup_path.size:
-        return builder.build(context, rows, budget)
-    return builder.build(context, rows, budget, lookup_path=lookup_path)
-
-
 @dataclass
 class GenerationResult:
     """What a generation produced, and how fast.
 
     ``tokens`` are the new tokens only (the EOS token included when generation stopped on
-    it, the token completing a stop string included), never more than ``max_new_token_num``;
+    it, the token completing a stop string included), never more than ``max_new_tokens``;
     ``text`` is their decoding without special tokens, cut before a stop string.
     ``accept_lengths`` counts the tokens each step produced (accepted drafts + the bonus,
     the prefill's first token being step 0's 1); ``tau`` is their mean over the
@@ -179,144 +130,63 @@ class GenerationStream:
                 yield event
 
 
-def dart_generate(
-    model: DartModel,
-    prompt: str | None = None,
+class DecodingModel(Protocol):
+    """What the loop reads of a model (``DartModel`` has it all)."""
+
+    target: TargetModel
+    head: DartHead | None
+    tokenizer: Any
+    tree_builder: TreeBuilder | None
+    draft_top_k: int
+    prompt_lookup: PromptLookupConfig | None
+
+    def encode_input(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        input_ids: Any = None,
+    ) -> list[int]: ...
+
+
+def generate(
+    model: DecodingModel,
+    config: GenerationConfig,
     *,
+    mode: str = "dart",
+    prompt: str | None = None,
     messages: Sequence[dict[str, str]] | None = None,
     input_ids: Any = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_token_num: int = 512,
-    max_length: int = 2048,
-    stop: str | Sequence[str] | None = None,
-    tree_budget: int | str | None = None,
     stream: bool = False,
-    seed: int | None = None,
 ) -> GenerationResult | GenerationStream:
-    """Speculative generation with the DART head, the pruner and tree verification.
+    """The generation loop: ``mode="dart"`` (speculative, lossless) or ``"ar"`` (the baseline).
 
-    Exactly one of ``prompt`` (text), ``messages`` (chat, formatted with the model's
-    template) or ``input_ids`` is given. ``temperature == 0`` is greedy (token for token the
-    target's own greedy output); otherwise sampling with ``top_p``/``top_k`` is lossless.
-    ``max_length`` bounds prompt + new tokens (the KV caches never exceed it);
-    ``tree_budget`` overrides the pruner's node budget (default: the model's ``tree_budget``);
-    ``"auto"`` uses the budget :mod:`dart_client.decoding.autotune` measures fastest on this machine
-    (tuned once per model). ``stream=True`` returns a
-    :class:`GenerationStream` of text deltas and per-step statistics.
+    Exactly one of ``prompt`` (text), ``messages`` (chat, formatted with the model's template)
+    or ``input_ids`` is given. ``config.tree_budget`` is the resolved node budget (an int, or
+    None for the tree builder's own limit: see ``DartModel.generate``); the room left for new
+    tokens caps it. ``stream=True`` returns a :class:`GenerationStream`.
     """
-    if model.head is None or model.tree_builder is None:
+    if mode not in ("dart", "ar"):
+        raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
+    if mode == "dart" and (model.head is None or model.tree_builder is None):
         raise InvalidArgumentError(
             "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
         )
-    return _generate(
-        model,
-        "dart",
-        prompt,
-        messages,
-        input_ids,
-        temperature,
-        top_p,
-        top_k,
-        max_new_token_num,
-        max_length,
-        stop,
-        tree_budget,
-        stream,
-        seed,
-    )
-
-
-def ar_generate(
-    model: DartModel,
-    prompt: str | None = None,
-    *,
-    messages: Sequence[dict[str, str]] | None = None,
-    input_ids: Any = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_token_num: int = 512,
-    max_length: int = 2048,
-    stop: str | Sequence[str] | None = None,
-    tree_budget: int | str | None = None,
-    stream: bool = False,
-    seed: int | None = None,
-) -> GenerationResult | GenerationStream:
-    """Plain autoregressive decoding on the same target path (``tree_budget`` is ignored)."""
-    return _generate(
-        model,
-        "ar",
-        prompt,
-        messages,
-        input_ids,
-        temperature,
-        top_p,
-        top_k,
-        max_new_token_num,
-        max_length,
-        stop,
-        tree_budget,
-        stream,
-        seed,
-    )
-
-
-def request_kwargs(ids: list[int], settings: Any, **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments of :func:`dart_generate` / :func:`ar_generate` for prompt ``ids``
-    from any settings object with ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
-    and ``seed`` (the benchmark's and the demo's), with a cache just large enough;
-    ``overrides`` replace or add arguments."""
-    kwargs: dict[str, Any] = dict(
-        input_ids=ids,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        max_new_token_num=settings.max_new_tokens,
-        max_length=len(ids) + settings.max_new_tokens + 1,
-        seed=settings.seed,
-    )
-    kwargs.update(overrides)
-    return kwargs
-
-
-def _generate(
-    model: DartModel,
-    mode: str,
-    prompt: str | None,
-    messages: Sequence[dict[str, str]] | None,
-    input_ids: Any,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    max_new_token_num: int,
-    max_length: int,
-    stop: str | Sequence[str] | None,
-    tree_budget: int | str | None,
-    stream: bool,
-    seed: int | None,
-) -> GenerationResult | GenerationStream:
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    if tree_budget is None:
-        tree_budget = getattr(model, "tree_budget", None)
-    if tree_budget == "auto" and mode == "dart":
-        from dart_client.decoding.autotune import auto_budget
-
-        tree_budget = auto_budget(model)
-    elif tree_budget == "auto":
-        tree_budget = None  # autoregressive decoding has no tree
-    _check_int("max_new_token_num", max_new_token_num, minimum=1)
-    _check_int("max_length", max_length, minimum=2)
-    if tree_budget is not None:
-        _check_int("tree_budget", tree_budget, minimum=0)
-    stops = _normalise_stop(stop)
+    if config.tree_budget == "auto":
+        raise InvalidArgumentError(
+            "tree_budget 'auto' is resolved by DartModel.tune() (DartModel.generate does it)"
+        )
+    tree_budget = config.tree_budget if mode == "dart" else None
+    lookup = model.prompt_lookup
+    if config.prompt_lookup is not None:
+        lookup = parse_prompt_lookup(config.prompt_lookup)
+    stops = list(config.stop)
     if stops and model.tokenizer is None:
         raise InvalidArgumentError("stop strings need a tokenizer to decode the output")
     ids = model.encode_input(prompt=prompt, messages=messages, input_ids=input_ids)
     if not ids:
         raise EmptyPromptError("the prompt is empty: at least one token is needed")
     # The target's position limit caps max_length (positions past it are out of distribution).
+    max_length = config.max_length
     limit = model.target.max_positions
     bound = "max_length"
     if limit is not None and max_length > limit:
@@ -326,7 +196,18 @@ def _generate(
             f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
             f"new token (raise max_length above {len(ids)} or shorten the prompt)"
         )
-    run = _Run(model, mode, ids, params, max_new_token_num, max_length, stops, tree_budget, seed)
+    run = _Run(
+        model,
+        mode,
+        ids,
+        config.sampling,
+        config.max_new_tokens,
+        max_length,
+        stops,
+        None if tree_budget is None else int(tree_budget),
+        config.seed,
+        lookup if mode == "dart" else None,
+    )
     if stream:
         return GenerationStream(run.events())
     result = None
@@ -342,7 +223,7 @@ class _Run:
 
     def __init__(
         self,
-        model: DartModel,
+        model: DecodingModel,
         mode: str,
         ids: list[int],
         params: SamplingParams,
@@ -351,6 +232,7 @@ class _Run:
         stops: list[str],
         tree_budget: int | None,
         seed: int | None,
+        lookup: PromptLookupConfig | None,
     ) -> None:
         self.model = model
         self.target = model.target
@@ -373,7 +255,7 @@ class _Run:
         tokenizer = model.tokenizer
         self.detok = IncrementalText(tokenizer) if tokenizer is not None else None
         self.stop_scanned = 0  # characters of self.detok.text already searched for stops
-        lookup = model.prompt_lookup if mode == "dart" else None
+        self.lookup = lookup
         self.lookup_index = lookup.new_index() if lookup is not None else None
         if self.lookup_index is not None:
             self.lookup_index.extend(ids)
@@ -461,9 +343,9 @@ class _Run:
                 path = None
                 index = self.lookup_index
                 if index is not None:
-                    assert self.model.prompt_lookup is not None
+                    assert self.lookup is not None
                     index.extend(self.generated[len(index) - prompt_len :])
-                    path = self.model.prompt_lookup.path(index, budget)
+                    path = self.lookup.path(index, budget)
                 tree = build_tree(self.model.tree_builder, context, rows, budget, path)
             else:
                 tree = Tree.root_only(root)
@@ -638,22 +520,3 @@ def _hold_back(text: str, stops: list[str]) -> str:
                 text = text[:-n]
                 break
     return text
-
-
-def _normalise_stop(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
-        raise InvalidTypeError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(not s for s in stop):
-        raise InvalidArgumentError("stop strings must be non-empty")
-    return list(stop)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")

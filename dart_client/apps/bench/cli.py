@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dart_client.apps.bench import harness, report
-from dart_client.apps.cli import add_cpu_kernels_argument, add_prompt_lookup_argument
+from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
 from dart_client.errors import DartError
 
 
@@ -100,31 +100,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_head(head: str, base: str | None, notes: list[str]) -> str:
-    """``auto``: the trained embedded head when present (and the target is the embedded one)."""
-    if head != "auto":
-        return head
-    if base is None and (harness.EMBEDDED_HEAD_DIR / "model.safetensors").is_file():
-        notes.append(f"head: {harness.EMBEDDED_HEAD_DIR}")
-        return str(harness.EMBEDDED_HEAD_DIR)
-    notes.append(
-        "head: an untrained random head (no trained head found): DART's tau is near 1 and its "
-        "speedup reflects the overhead, not the method"
-    )
-    return "random"
-
-
 def load(args: argparse.Namespace, notes: list[str]) -> Any:
-    from dart_client.apps.cli import build_model
+    from dart_client.dart_model import build_model
 
     return build_model(
         args.base,
-        resolve_head(args.head, args.base, notes),
+        args.head,
         args.ngram,
         dtype=args.dtype,
         device=args.device,
         cpu_kernels=args.cpu_kernels,
         prompt_lookup=args.prompt_lookup,
+        notes=notes,
     )
 
 
@@ -139,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, model: Any = None) -> int:
     """The benchmark the arguments describe (``model``: an already loaded DartModel)."""
-    from dart_client.decoding.autotune import MAX_CONTINUATION_TOKENS, parse_tree_budget
+    from dart_client.decoding.autotune import MAX_CONTINUATION_TOKENS
+    from dart_client.decoding.config import parse_tree_budget
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -14,10 +14,10 @@ Workloads (each prompt becomes token ids once, so every method sees the same inp
 
 Methods on one target (one process, one load): ``ar`` (``ar_generate``), ``hf``
 (transformers' ``generate``), ``pld`` (transformers' prompt lookup decoding), ``dart`` (with
-the model's prompt lookup merged into its trees, :mod:`dart_client.decoding.lookup`), ``dart-no-ngram``
-(the pruner with ``ngram_weight=0``), ``dart-no-lookup`` (the paper's trees: no prompt
-lookup), ``dart-remote`` (the pruner served by a ``dart-ngram serve`` daemon; ``--remote auto``
-starts one on an ephemeral loopback port).
+the model's prompt lookup merged into its trees, :mod:`dart_client.decoding.lookup`),
+``dart-no-ngram`` (the pruner with ``ngram_weight=0``), ``dart-no-lookup`` (the paper's
+trees: no prompt lookup), ``dart-remote`` (the pruner served by a ``dart-ngram serve``
+daemon; ``--remote auto`` starts one on an ephemeral loopback port).
 
 Protocol (Spec-Bench's): warm-up runs first, batch size 1, greedy unless a temperature is
 given, ``repetitions`` runs of every (prompt, method), methods interleaved per prompt (their
@@ -50,9 +50,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dart_client import _native
+from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
+from dart_client.decoding.config import GenerationConfig
+from dart_client.decoding.loop import STAGES
 from dart_client.embedded import SHIPPED_HEAD_DIR
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
-from dart_client.decoding.loop import STAGES
 from dart_client.ngram.daemon import LocalDaemon
 
 if TYPE_CHECKING:
@@ -62,7 +64,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The trained head of the embedded default, shipped inside the package.
 EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
 METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-no-lookup", "dart-remote")
-HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 
 
 class BenchError(DartError):
@@ -299,13 +300,13 @@ def load_workloads(
 # -- methods -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Settings:
+@dataclass(frozen=True)
+class Settings(GenerationConfig):
+    """The generation settings of every measured run (a :class:`GenerationConfig` with the
+    bench's defaults) and the bench's own: repetitions, warm-up runs, PLD's n-gram size."""
+
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    seed: int | None = 0
     repetitions: int = 3
     warmup: int = 1
     pld_tokens: int = 10
@@ -346,17 +347,10 @@ class DartLoopMethod(Method):
         self.tree_budget = tree_budget
 
     def run(self, ids: list[int], settings: Settings, seed: int) -> Run:
-        from dart_client.decoding.loop import (
-            GenerationResult,
-            ar_generate,
-            dart_generate,
-            request_kwargs,
-        )
+        from dart_client.decoding.loop import GenerationResult
 
-        fn = ar_generate if self.name == "ar" else dart_generate
-        result = fn(
-            self.model, **request_kwargs(ids, settings, tree_budget=self.tree_budget, seed=seed)
-        )
+        config = settings.for_prompt(len(ids)).replace(tree_budget=self.tree_budget, seed=seed)
+        result = self.model.generate(ids, config, mode="ar" if self.name == "ar" else "dart")
         assert isinstance(result, GenerationResult)
         return Run(
             tokens=list(result.tokens),
@@ -450,11 +444,8 @@ def build_methods(
     base.tokenizer = None
     config = getattr(model.pruner, "config", None) or PrunerConfig()
     if tree_budget == "auto" and model.head is not None and model.tree_builder is not None:
-        from dart_client.decoding.autotune import auto_budget
-
         # Once, with the in-process pruner; every DART method shares it.
-        auto_budget(
-            model,
+        model.tune(
             prompts=[list(ids) for ids in calibration] if calibration else None,
             continuation_tokens=calibration_tokens,
         )

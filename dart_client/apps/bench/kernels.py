@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.sizes) < 1 or args.context < 1 or args.repeats < 1:
         p.error("--sizes, --context and --repeats must be positive")
 
-    from dart_client.apps.cli import build_model
+    from dart_client.dart_model import build_model
 
     model = build_model(args.base, None, None, dtype=args.dtype, ar=True)
     target: TargetModel = model.target

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from dart_client.apps.cli import add_cpu_kernels_argument
+from dart_client.apps.options import add_cpu_kernels_argument
+from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench"
@@ -81,20 +82,19 @@ def profile(
 ) -> dict[str, Any]:
     """DART and AR on each prompt (interleaved), their per-step stage timings and the
     overhead figures; times in milliseconds."""
-    from dart_client.decoding.loop import ar_generate, dart_generate
-
     # Warm-up: first calls allocate and select kernels.
-    run_steps(dart_generate(model, prompt=prompts[0], max_new_token_num=4, stream=True))
-    run_steps(ar_generate(model, prompt=prompts[0], max_new_token_num=4, stream=True))
+    warm = GenerationConfig(max_new_tokens=4)
+    run_steps(model.generate(prompts[0], warm, stream=True))
+    run_steps(model.generate(prompts[0], warm, mode="ar", stream=True))
 
     dart_runs: list[GenerationResult] = []
     ar_runs: list[GenerationResult] = []
     dart_steps: list[dict[str, float]] = []
     ar_steps: list[dict[str, float]] = []
     for i, prompt in enumerate(prompts):
-        kwargs: dict[str, Any] = dict(prompt=prompt, max_new_token_num=max_new, stream=True)
-        d, ds = run_steps(dart_generate(model, tree_budget=tree_budget, **kwargs))
-        a, as_ = run_steps(ar_generate(model, **kwargs))
+        config = GenerationConfig(max_new_tokens=max_new, tree_budget=tree_budget)
+        d, ds = run_steps(model.generate(prompt, config, stream=True))
+        a, as_ = run_steps(model.generate(prompt, config, mode="ar", stream=True))
         dart_runs.append(d)
         ar_runs.append(a)
         dart_steps += ds
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         p.error("--clock cpu counts the calling thread only: use it with --threads 1")
 
-    from dart_client.apps.cli import build_model
+    from dart_client.dart_model import build_model
 
     model = build_model(
         args.base, args.head, args.ngram, dtype=args.dtype, cpu_kernels=args.cpu_kernels

@@ -20,7 +20,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dart_client.apps.options import DTYPE_CHOICES
 from dart_client.apps.ui.race import RaceSettings, prompt_ids, race, render_pane, render_stats
+from dart_client.errors import DartError
 
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
@@ -70,14 +72,17 @@ def build_app(model: DartModel, *, max_new_tokens: int = 64, title: str | None =
             tree_budget: int | str = "auto" if budget == "auto" else int(budget)
         except ValueError:
             raise gr.Error(f"Tree budget {budget!r}: expected 'auto' or an integer.") from None
-        settings = RaceSettings(
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=int(top_k),
-            max_new_tokens=max(1, int(max_new)),
-            tree_budget=tree_budget,
-            seed=int(seed),
-        )
+        try:
+            settings = RaceSettings(
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                max_new_tokens=max(1, int(max_new)),
+                tree_budget=tree_budget,
+                seed=int(seed),
+            )
+        except DartError as err:  # a setting out of range: the user's to fix
+            raise gr.Error(str(err)) from None
         if tree_budget == "auto" and model.tree_tuning is None:
             yield "", "", "", "", "Measuring the best tree budget on this machine (once)..."
         try:
@@ -186,22 +191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--base", help="target model (default: the embedded SmolLM2)")
     p.add_argument("--head", default="auto", help="head directory, 'random' or 'auto'")
     p.add_argument("--ngram", default="embedded", help="n-gram model or 'embedded'")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128, help="the slider's start value")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    from dart_client.apps.bench.cli import resolve_head
-    from dart_client.apps.cli import build_model
+    from dart_client.dart_model import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    notes: list[str] = []
-    head = resolve_head(args.head, args.base, notes)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    model = build_model(args.base, head, args.ngram, dtype=args.dtype)
+    model = build_model(args.base, args.head, args.ngram, dtype=args.dtype)
     app = build_app(model, max_new_tokens=args.max_new_tokens)
     print(f"dart demo: serving on http://{args.host}:{args.port}", file=sys.stderr)
     launch(app, host=args.host, port=args.port, block=True)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dart_client.decoding.config import GenerationConfig
+
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
@@ -45,11 +47,10 @@ class Side:
         return sum(len(s) for s in spec) / len(spec) if spec else 0.0
 
 
-@dataclass
-class RaceSettings:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+@dataclass(frozen=True)
+class RaceSettings(GenerationConfig):
+    """The page's generation settings: a :class:`GenerationConfig` with the page's defaults."""
+
     max_new_tokens: int = 64
     tree_budget: int | str | None = "auto"
     seed: int | None = 0
@@ -66,17 +67,11 @@ def race(
     model: DartModel, ids: list[int], settings: RaceSettings, min_interval: float = 0.05
 ) -> Iterator[tuple[Side, Side]]:
     """Yields (ar, dart) after steps (at most every ``min_interval`` s), and once at the end."""
-    from dart_client.decoding.loop import ar_generate, dart_generate, request_kwargs
-
-    budget = settings.tree_budget
-    if budget == "auto":
-        from dart_client.decoding.autotune import auto_budget
-
-        budget = auto_budget(model)
-    kwargs = request_kwargs(ids, settings, stream=True)
+    config = settings.for_prompt(len(ids))
+    # Both streams are set up (the budget tuned, when "auto") before either is timed.
     streams = {
-        "ar": ar_generate(model, **kwargs),
-        "dart": dart_generate(model, tree_budget=budget, **kwargs),
+        "ar": model.generate(ids, config, mode="ar", stream=True),
+        "dart": model.generate(ids, config, stream=True),
     }
     iters = {k: iter(s) for k, s in streams.items()}
     sides = {"ar": Side("ar"), "dart": Side("dart")}
