@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dart_client import local_daemon
+from dart_client.ngram import daemon as local_daemon
 from dart_client.ngram.daemon import LocalDaemon
 
 REPO = Path(__file__).resolve().parent.parent

@@ -182,8 +182,8 @@ def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly() -> None:
     dm.tree_builder = Greedy()
     for seed in range(4):
         ids = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(seed))
-        got = dart_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
-        want = ar_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
+        got = dart_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
+        want = ar_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
         assert got.tokens == want.tokens
 
 

@@ -22,8 +22,8 @@ from dart_client.decoding.autotune import (
     _Clock,
     auto_budget,
     autotune,
-    parse_tree_budget,
 )
+from dart_client.decoding.config import parse_tree_budget
 from dart_client.decoding.draft import DraftRows
 from dart_client.decoding.verify import Tree
 from dart_client.errors import InvalidArgumentError
@@ -85,14 +85,14 @@ def test_replay_equals_generation_with_the_real_pruner(
         cal = _Calibration(dm, prompt, 20, clock)
         for budget in (1, 3, 10, 40):
             lengths, _ = cal.replay(budget)
-            got = dart_generate(dm, input_ids=prompt, max_new_token_num=20, tree_budget=budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_tokens=20, tree_budget=budget)
             assert lengths == got.accept_lengths[1:], (prompt, budget)
 
 
 def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: DartHead) -> None:
     base = DartModel(target)
     ps = prompts(3, seed=2)
-    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=30).tokens for p in ps]
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=30).tokens for p in ps]
     builder = PlantedBuilder(truths)
     dm = DartModel(target, head, tree_builder=builder)
     clock = _Clock(dm.target.device)
@@ -102,7 +102,7 @@ def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: Dar
         for prompt in ps:
             cal = _Calibration(dm, prompt, 30, clock)
             lengths, seconds = cal.replay(budget)
-            got = dart_generate(dm, input_ids=prompt, max_new_token_num=30, tree_budget=budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_tokens=30, tree_budget=budget)
             assert lengths == got.accept_lengths[1:], (prompt, budget)
             assert got.tokens == truths[ps.index(prompt)][len(prompt) :]
             assert 0 < len(seconds) <= len(lengths)
@@ -117,7 +117,7 @@ def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: Dar
 def test_autotune_curve_and_choice(target: Any, head: DartHead) -> None:
     base = DartModel(target)
     ps = prompts(2, seed=4)
-    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=24).tokens for p in ps]
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
     dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
     tuning = autotune(
         dm, prompts=ps, budgets=(13, 2, 9), continuation_tokens=24, context_tokens=32, repeats=2
@@ -149,14 +149,14 @@ def test_auto_budget_is_tuned_once_and_used_by_generation(
     dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), tree_budget="auto")
     assert dm.tree_tuning is None
     prompt = prompts(1, seed=6)[0]
-    got = dart_generate(dm, input_ids=prompt, max_new_token_num=12)
+    got = dart_generate(dm, input_ids=prompt, max_new_tokens=12)
     tuning = dm.tree_tuning
     assert tuning is not None
     assert max(got.tree_sizes[1:]) <= tuning.best_budget + 1
-    assert got.tokens == ar_generate(dm, input_ids=prompt, max_new_token_num=12).tokens
+    assert got.tokens == ar_generate(dm, input_ids=prompt, max_new_tokens=12).tokens
     # Cached: a second call does not tune again.
     assert auto_budget(dm) == tuning.best_budget and dm.tree_tuning is tuning
-    explicit = dart_generate(dm, input_ids=prompt, max_new_token_num=12, tree_budget="auto")
+    explicit = dart_generate(dm, input_ids=prompt, max_new_tokens=12, tree_budget="auto")
     assert explicit.tokens == got.tokens
 
 

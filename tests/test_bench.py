@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from conftest import make_tiny_target, make_tiny_tokenizer
 
-from dart_client import DartModel, local_daemon
+from dart_client import DartModel
 from dart_client.apps.bench import harness
 from dart_client.apps.bench.cli import parser, run
 from dart_client.apps.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
 from dart_client.data import is_held_out
 from dart_client.models.head import DartHead
+from dart_client.ngram import daemon as local_daemon
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

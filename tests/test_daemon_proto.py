@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dart_client import protogen
+from dart_client.ngram import protogen
 
 
 def test_regenerating_the_proto_modules_yields_the_committed_files(tmp_path: Path) -> None:

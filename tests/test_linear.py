@@ -144,8 +144,8 @@ def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
     for seed in range(3):
         prompt = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(seed))
         ids = prompt.tolist()
-        got = dart_generate(dm, input_ids=ids, max_new_token_num=24)
-        want = ar_generate(dm, input_ids=ids, max_new_token_num=24)
+        got = dart_generate(dm, input_ids=ids, max_new_tokens=24)
+        want = ar_generate(dm, input_ids=ids, max_new_tokens=24)
         assert got.tokens == want.tokens
 
 

@@ -124,7 +124,7 @@ def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
         want = hf_greedy(model, ids)
         oracle = OracleTree(want)
         dm.tree_builder = oracle
-        stream = dart_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW, stream=True)
+        stream = dart_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW, stream=True)
         for event in stream:
             oracle.g += len(event.tokens)
         got = stream.result
@@ -186,8 +186,8 @@ def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: An
             dm.template.format(messages=[{"role": "user", "content": text}]),
             add_special_tokens=False,
         )["input_ids"]
-        got = dart_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
-        ar = ar_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
+        got = dart_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
+        ar = ar_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
         assert max(got.tree_sizes[1:], default=1) > 1
         matched += check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
     dm.target.close()

@@ -41,8 +41,8 @@ def test_race_reproduces_both_methods(model: DartModel) -> None:
     states = list(race(model, ids, race_settings, min_interval=0.0))
     ar, dart = states[-1]
     assert ar.done and dart.done
-    want = ar_generate(model, input_ids=ids, max_new_token_num=20)
-    got = dart_generate(model, input_ids=ids, max_new_token_num=20, tree_budget=6)
+    want = ar_generate(model, input_ids=ids, max_new_tokens=20)
+    got = dart_generate(model, input_ids=ids, max_new_tokens=20, tree_budget=6)
     assert [t for s in ar.steps for t in s] == want.tokens
     assert [t for s in dart.steps for t in s] == got.tokens == want.tokens
     assert [len(s) for s in dart.steps] == got.accept_lengths

@@ -19,7 +19,7 @@ from typing import Any
 
 from dart_client.errors import MissingResourceError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def dart_ngram_binary() -> Path | None:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "proto"
 PROTO_FILE = "dart/ngram/v1/ngram.proto"
 OUT_DIR = Path(__file__).resolve().parent / "proto"

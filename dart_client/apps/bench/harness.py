@@ -60,7 +60,7 @@ from dart_client.ngram.daemon import LocalDaemon
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 #: The trained head of the embedded default, shipped inside the package.
 EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
 METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-no-lookup", "dart-remote")

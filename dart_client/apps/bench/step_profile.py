@@ -43,7 +43,7 @@ from dart_client.apps.options import add_cpu_kernels_argument
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench"
+SPEC_BENCH = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "spec_bench"
 #: The per-step stages (``prefill`` is once per generation).
 STEP_STAGES = tuple(s for s in STAGES if s != "prefill")
 
