@@ -28,6 +28,7 @@ from dart_client._native import (
     TokenizerMismatchError,
     TokenOutOfVocabError,
 )
+from dart_client.ngram import inputs
 
 __all__ = [
     "CorruptModelError",
@@ -41,19 +42,7 @@ IdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 def _ids(x: IdsLike | Any, ndim: int, what: str) -> npt.NDArray[np.int64]:
-    """Token ids as a C-contiguous int64 array of `ndim` dimensions (torch tensors included)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.size == 0 and a.dtype.kind == "f":
-        a = a.astype(np.int64)  # np.asarray([]) is float64
-    if a.dtype.kind not in "iub":
-        raise NGramError(f"{what} must hold integer token ids, got dtype {a.dtype}")
-    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > 2**62:
-        raise TokenOutOfVocabError(f"{what} holds token id {int(a.max())}, not a valid id")
-    if a.ndim != ndim:
-        raise NGramError(f"{what} must be {ndim}-dimensional, got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return inputs.ids(x, ndim, what, NGramError, TokenOutOfVocabError)
 
 
 class NGram(_native.NGram):

@@ -26,7 +26,6 @@ the ``NGramError`` family if the model fails.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,8 @@ import numpy.typing as npt
 
 from dart_client import _native
 from dart_client._native import PrunerError, TokenOutOfVocabError
+from dart_client.ngram import inputs
+from dart_client.ngram.inputs import as_numpy
 
 if TYPE_CHECKING:
     from dart_client.ngram.model import NGram
@@ -107,57 +108,20 @@ class DraftTree:
         return out[::-1]
 
 
-def _numpy(x: Any) -> Any:
-    """A CPU torch tensor as a numpy view (no copy); anything else unchanged."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype in (torch.bfloat16, torch.float16):
-            t = t.float()  # numpy has no bfloat16
-        return t.numpy()
-    return x
-
-
 def _ids(x: Any, ndim: int, what: str) -> npt.NDArray[np.int64]:
-    """Integer ids as a C-contiguous int64 array (no copy when they already are one)."""
-    a = np.asarray(_numpy(x))
-    if a.size == 0 and a.dtype.kind == "f":
-        a = a.astype(np.int64)  # np.asarray([]) is float64
-    if a.dtype.kind not in "iu":
-        raise PrunerError(f"{what} must hold integer token ids, got dtype {a.dtype}")
-    if a.ndim != ndim:
-        raise PrunerError(f"{what} must be {ndim}-dimensional, got shape {a.shape}")
-    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise TokenOutOfVocabError(f"{what} holds {int(a.max())}, not a valid token id")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return inputs.ids(x, ndim, what, PrunerError, TokenOutOfVocabError)
 
 
 def _probs(x: Any, ndim: int, what: str) -> npt.NDArray[np.float32]:
-    """Probabilities as a C-contiguous float32 array (no copy when they already are one)."""
-    a = np.asarray(_numpy(x))
-    if a.dtype.kind != "f":
-        raise PrunerError(f"{what} must hold floating-point probabilities, got dtype {a.dtype}")
-    if a.ndim != ndim:
-        raise PrunerError(f"{what} must be {ndim}-dimensional, got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return inputs.probs(x, ndim, what, PrunerError)
 
 
 def _budget(b: Any, what: str) -> int | None:
-    if b is None:
-        return None
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-        raise PrunerError(f"{what} = {b!r}; expected an integer >= 1 or None")
-    return int(b)
+    return inputs.budget(b, what, PrunerError)
 
 
 def _path(path: Any, what: str) -> npt.NDArray[np.int64] | None:
-    """A lookup path as int64 ids (None or empty: no path)."""
-    if path is None:
-        return None
-    ids = _ids(path, 1, what)
-    return ids if ids.size else None
+    return inputs.lookup_path(path, what, PrunerError, TokenOutOfVocabError)
 
 
 class Pruner:
@@ -183,7 +147,7 @@ class Pruner:
 
     def _context(self, context: Any, what: str) -> tuple[npt.NDArray[np.int64], int]:
         """The tail of ``context`` the search reads, and where it starts in ``context``."""
-        c = _numpy(context)
+        c = as_numpy(context)
         if not isinstance(c, (list, tuple, np.ndarray)):
             c = list(c)
         offset = max(len(c) - self._tail, 0)
@@ -226,7 +190,7 @@ class Pruner:
         ``topk_ids``/``topk_probs`` (B, L, k), ``budgets`` B values (int or None) or None,
         ``lookup_paths`` B paths (or None each) or None. Results equal
         ``[prune(...) for each request]``; an error names the request."""
-        tails = [self._context(c, f"contexts[{i}]") for i, c in enumerate(_numpy(contexts))]
+        tails = [self._context(c, f"contexts[{i}]") for i, c in enumerate(as_numpy(contexts))]
         if budgets is not None:
             budgets = [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
         paths = None

@@ -41,6 +41,7 @@ from dart_client._native import (
     TokenOutOfVocabError,
 )
 from dart_client.errors import DartError
+from dart_client.ngram import inputs
 
 if TYPE_CHECKING:
     from dart_client.ngram.pruner import DraftTree, PrunerConfig
@@ -160,42 +161,17 @@ def _fingerprint_hex(value: str | bytes) -> str:
     return text
 
 
-def _cpu(values: Any) -> Any:
-    """Torch tensors (on any device) to numpy; anything else unchanged."""
-    if hasattr(values, "detach") and hasattr(values, "cpu"):
-        return values.detach().cpu().numpy()
-    return values
+_cpu = inputs.as_numpy
 
 
 def _ids(values: Any, what: str, ndim: int = 1) -> np.ndarray:
-    """Token ids as a C-contiguous int64 array of ``ndim`` dimensions (no copy when they
-    already are one). The native client checks that each fits the wire (0 <= id < 2**32) and
-    names the one that does not; the daemon checks the vocabulary."""
-    arr = np.asarray(_cpu(values))
-    if arr.ndim != ndim:
-        raise RemoteInvalidArgumentError(
-            f"{what} has shape {arr.shape}; expected {ndim}-D token ids"
-        )
-    if arr.dtype.kind not in "iu":
-        if arr.size:
-            raise RemoteInvalidArgumentError(f"{what} has dtype {arr.dtype}; expected integer ids")
-        arr = arr.astype(np.int64)  # np.asarray([]) is float64
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > 0xFFFFFFFF:
-        raise RemoteInvalidArgumentError(
-            f"{what} holds the id {int(arr.max())}, beyond 2**32 - 1; expected vocabulary ids"
-        )
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    """Token ids as int64 (the native client checks that each fits the wire and names the one
+    that does not; the daemon checks the vocabulary)."""
+    return inputs.ids(values, ndim, what, RemoteInvalidArgumentError, RemoteTokenOutOfVocabError)
 
 
 def _probs(values: Any, what: str, ndim: int) -> np.ndarray:
-    """Probabilities as a C-contiguous float32 array (no copy when they already are one)."""
-    arr = np.asarray(_cpu(values))
-    if arr.ndim != ndim or (arr.size and arr.dtype.kind != "f"):
-        raise RemoteInvalidArgumentError(
-            f"{what} has shape {arr.shape} and dtype {arr.dtype}; expected {ndim}-D "
-            "floating-point probabilities"
-        )
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return inputs.probs(values, ndim, what, RemoteInvalidArgumentError)
 
 
 def _rows(rows: Any, what: str) -> tuple[np.ndarray, list[int]]:
@@ -435,21 +411,11 @@ def _per_draft(
 
 
 def _path(path: Any, what: str) -> np.ndarray | None:
-    """A lookup path as int64 ids (None or empty: no path)."""
-    if path is None:
-        return None
-    ids = _ids(path, what)
-    return ids if ids.size else None
+    return inputs.lookup_path(path, what, RemoteInvalidArgumentError, RemoteTokenOutOfVocabError)
 
 
 def _budget(budget: Any, what: str) -> int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise RemoteInvalidArgumentError(f"{what} = {budget!r}; expected an integer >= 1")
-    if budget >= 2**32:
-        raise RemoteInvalidArgumentError(f"{what} = {budget!r}; expected at most 2**32 - 1")
-    return int(budget)
+    return inputs.budget(budget, what, RemoteInvalidArgumentError, maximum=2**32 - 1)
 
 
 def _wire_config(config: PrunerConfig) -> _native.DaemonPrunerConfig:
