@@ -266,7 +266,7 @@ class DartModel:
         ``input_ids`` with ``config`` (default :class:`GenerationConfig`), any field of which
         ``overrides`` replace (``max_new_tokens=64``). ``mode="ar"`` runs the autoregressive
         baseline on the same path. ``stream=True`` returns a :class:`GenerationStream`."""
-        if prompt is not None and not isinstance(prompt, str):
+        if isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
             prompt, input_ids = None, prompt

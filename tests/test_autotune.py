@@ -170,7 +170,7 @@ def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> Non
         autotune(dm, budgets=(4, 0))
     with pytest.raises(InvalidArgumentError, match="continuation_tokens"):
         autotune(dm, continuation_tokens=1)
-    with pytest.raises(InvalidArgumentError, match="tree_budget must be"):
+    with pytest.raises(InvalidArgumentError, match="tree budget 'big'"):
         DartModel(target, head, tree_budget="big")
     assert parse_tree_budget("auto") == "auto"
     assert parse_tree_budget("AUTO") == "auto"

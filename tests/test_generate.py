@@ -770,5 +770,6 @@ def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
     assert main([]) == 2
     # A DartError becomes a one-line message and exit status 1, not a traceback.
     no_ar = [a for a in argv[:-2] if a != "--ar"]
-    assert main([*no_ar, "--head", str(tmp_path / "missing"), "w5"]) == 1
+    missing = ["--head", str(tmp_path / "missing"), "--ngram", str(tmp_path / "missing.ngram")]
+    assert main([*no_ar, *missing, "w5"]) == 1
     assert "error:" in capsys.readouterr().err

@@ -81,6 +81,8 @@ def run_command(prog: str, func: Callable[[list[str]], int | None], argv: list[s
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except SystemExit as exit_:  # argparse's usage errors (2) and --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 1
     return int(status or 0)
 
 

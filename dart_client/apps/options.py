@@ -119,6 +119,13 @@ def generation_config(
 
 def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Usage errors of the model options (exit 2) before anything loads."""
+    if args.device != "auto":  # device_map="auto" lets accelerate place the layers
+        from dart_client.devices import check_device
+
+        try:
+            check_device(args.device)
+        except DartError as err:
+            parser.error(str(err))
     if args.prompt_lookup < 0:
         parser.error(f"--prompt-lookup {args.prompt_lookup}: expected a path length >= 0")
     if args.template not in ("auto", "none"):
