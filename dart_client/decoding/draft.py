@@ -54,7 +54,7 @@ def draft_rows(
     d2t = head.draft_to_target_numpy
     if logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES:
         # One native pass (top-k, softmax over k, target ids) instead of five PyTorch and
-        # numpy calls, which cost 0.2-0.3 ms per step with caches cold after the verify.
+        # numpy calls, each slow with the caches cold after the verify.
         array = logits.contiguous()
         raw = bf16_bits(array) if array.dtype == torch.bfloat16 else array.numpy()
         ids, probs = top_k_rows(raw, k, d2t)

@@ -72,7 +72,7 @@ def top_p_filter(scores: torch.Tensor, top_p: float, probe: int = 256) -> torch.
     """``scores`` with every token outside the nucleus set to -inf (transformers' rule: drop
     the tokens whose ascending cumulative probability is ``<= 1 - top_p``, keep the top one).
 
-    Sorting a whole vocabulary per row costs milliseconds (13% of a sampled SmolLM2 step).
+    Sorting a whole vocabulary per row costs milliseconds, a noticeable part of a step.
     Usually the nucleus lies within the ``probe`` most likely tokens: when the probability
     left outside them is itself ``<= 1 - top_p``, every token outside is dropped by the rule
     and the cumulative sums of those inside are their own suffix sums plus that remainder, so

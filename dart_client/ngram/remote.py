@@ -99,13 +99,11 @@ class RemoteTokenizerMismatchError(DaemonError, TokenizerMismatchError):
 
 
 #: Seconds a call polls for its answer before its thread sleeps; by default none. Waking a
-#: sleeping thread costs 20-30 us on a virtual machine whose idle CPUs halt (a loopback round
-#: trip between two sleeping threads: 64 us on an idle 2-CPU VM, 20 us when one side polls),
-#: so a client with a CPU to itself may pass ``spin=0.002`` (2 ms covers a prune) and save a
-#: wake-up per call (paired runs on a loaded 2-CPU VM: -6 us p50 per prune, -12 us per empty
-#: call). Not when clients outnumber the idle CPUs: polling yields the CPU between polls, but
-#: 4 polling client processes on 2 CPUs cut the daemon's throughput from 4.1k to 2.4k
-#: prunes/s.
+#: sleeping thread costs tens of microseconds on a virtual machine whose idle CPUs halt, so a
+#: client with a CPU to itself may pass ``spin=0.002`` (2 ms covers a prune) and save a
+#: wake-up per call. Not when clients outnumber the idle CPUs: polling yields the CPU between
+#: polls, but it still takes CPU time from the daemon (measurements:
+#: ``docs/performance-notes.md``).
 DEFAULT_SPIN = 0.0
 
 

@@ -107,8 +107,8 @@ def latency(
     """Per backend: (p50 us, p99 us, nodes of the last tree) of sequential prunes. The
     backends alternate request by request, so all see the same machine load, each on its own
     walk through the drafts: a prune right after another backend's prune of the same draft
-    finds that draft's n-gram entries in the CPU caches (in process: -25% on a loaded 2-CPU
-    machine), which a real decode loop never does."""
+    finds that draft's n-gram entries in the CPU caches (a large gain in process), which a
+    real decode loop never does."""
     for d in drafts[:warmup]:
         for pruner in pruners.values():
             pruner.prune(d.context, d.topk_ids, d.topk_probs)

@@ -1,12 +1,13 @@
 """Per-stage timings of DART steps, and DART vs autoregressive tokens/s.
 
     python -m dart_client.apps.bench.step_profile [--base MODEL] [--head DIR|random]
-        [--ngram PATH|embedded] [--dtype bf16] [--prompts 8] [--max-new 64] [--threads N]
-        [--clock wall|cpu] [--json OUT.json]
+        [--ngram PATH|embedded] [--dtype bf16] [--prompts 8] [--questions question.jsonl]
+        [--max-new 64] [--threads N] [--clock wall|cpu] [--json OUT.json]
 
 Defaults: the embedded SmolLM2-135M-Instruct in bf16 on CPU, an untrained random head
 (tau near 1 is expected; the trained head comes with the training issue), the embedded
-ShareGPT 3-gram, Spec-Bench questions formatted with the tokenizer's chat template, greedy.
+ShareGPT 3-gram, Spec-Bench questions (``--questions``; else built-in ones) formatted with the
+tokenizer's chat template, greedy.
 
 Every step's time is in exactly one stage of :data:`dart_client.decoding.loop.STAGES` (draft,
 prune, inputs, verify, accept, compact, emit; ``verify`` is only the time inside the target's
@@ -43,21 +44,17 @@ from dart_client.apps.options import add_cpu_kernels_argument
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
-SPEC_BENCH = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "spec_bench"
 #: The per-step stages (``prefill`` is once per generation).
 STEP_STAGES = tuple(s for s in STAGES if s != "prefill")
 
 
-def questions(n: int) -> list[str]:
-    """The first turn of ``n`` Spec-Bench questions spread over its categories."""
-    for candidate in (
-        SPEC_BENCH / "question.jsonl",
-        Path("/work/shared/data/spec_bench/question.jsonl"),
-    ):
-        if candidate.is_file():
-            rows = [json.loads(line) for line in candidate.read_text().splitlines() if line]
-            step = max(1, len(rows) // n)
-            return [rows[i]["turns"][0] for i in range(0, len(rows), step)][:n]
+def questions(n: int, path: Path | None = None) -> list[str]:
+    """The first turn of ``n`` questions of a Spec-Bench ``question.jsonl`` spread over its
+    categories; without one, built-in questions."""
+    if path is not None:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        step = max(1, len(rows) // n)
+        return [rows[i]["turns"][0] for i in range(0, len(rows), step)][:n]
     return [
         "Explain speculative decoding in two sentences.",
         "Write a Python function that checks whether a number is prime.",
@@ -204,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ngram", default="embedded")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument(
+        "--questions", type=Path, default=None, help="a Spec-Bench question.jsonl to draw from"
+    )
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--tree-budget", type=int, default=None)
     add_cpu_kernels_argument(p)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         model.target.clock = time.thread_time
     prompts = [
         model.template.format(messages=[{"role": "user", "content": q}])
-        for q in questions(args.prompts)
+        for q in questions(args.prompts, args.questions)
     ]
     report = profile(model, prompts, args.max_new, args.tree_budget, log=sys.stderr)
     report.update(
