@@ -132,7 +132,7 @@ class Pruner:
         self.config = config if config is not None else PrunerConfig()
         if not isinstance(self.config, PrunerConfig):
             raise PrunerError(f"config must be a PrunerConfig, got {type(self.config).__name__}")
-        self._native = _native.Pruner(ngram, **asdict(self.config))
+        self._native = _native.Pruner(ngram, asdict(self.config))
         # Only the n-gram history and the root are read: converting a long context whole
         # would cost more than pruning.
         self._tail: int = self._native.context_tail_len

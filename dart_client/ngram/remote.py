@@ -26,7 +26,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -417,17 +417,11 @@ def _budget(budget: Any, what: str) -> int | None:
 
 
 def _wire_config(config: PrunerConfig) -> _native.DaemonPrunerConfig:
-    """The configuration as the daemon's overrides (``None`` fields: the daemon's default; for
-    ``eos_id``, the model's EOS)."""
-    values = {f.name: getattr(config, f.name) for f in fields(config)}  # type: ignore[arg-type]
+    """The configuration as the daemon's overrides (every field; ``eos_id=None``: the model's
+    EOS), deserialized natively into the pruner's own configuration type first."""
     try:
-        return _native.DaemonPrunerConfig(**values)
-    except TypeError as err:
-        raise ValueError(
-            f"{config!r} does not fit the daemon's protocol ({err}); every PrunerConfig field "
-            "needs its field in proto/dart/ngram/v1/ngram.proto and in the native client"
-        ) from None
-    except OverflowError as err:
+        return _native.DaemonPrunerConfig(asdict(config))  # type: ignore[call-overload]
+    except PrunerError as err:
         raise RemoteInvalidArgumentError(f"{config!r}: {err}") from None
 
 

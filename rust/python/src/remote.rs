@@ -250,35 +250,33 @@ pub struct PyDaemonPrunerConfig {
 
 #[pymethods]
 impl PyDaemonPrunerConfig {
+    /// `config`: the configuration as a dict (`dataclasses.asdict(PrunerConfig(...))`),
+    /// deserialized into `dart_pruner::PrunerConfig` (see `config.rs`) and sent whole: every
+    /// field overrides the daemon's default (`eos_id=None`: the model's EOS).
     #[new]
-    #[pyo3(signature = (*, top_k=None, beam_width=None, max_nodes=None, level_exponent=None,
-                        logit_decay=None, ngram_weight=None, ngram_at_level0=None, eos_id=None,
-                        eps=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        top_k: Option<u32>,
-        beam_width: Option<u32>,
-        max_nodes: Option<u32>,
-        level_exponent: Option<f64>,
-        logit_decay: Option<f64>,
-        ngram_weight: Option<f64>,
-        ngram_at_level0: Option<bool>,
-        eos_id: Option<u32>,
-        eps: Option<f64>,
-    ) -> Self {
-        PyDaemonPrunerConfig {
+    fn new(config: &Bound<'_, pyo3::types::PyDict>) -> PyResult<Self> {
+        let c = crate::config::pruner_config(config)?;
+        let wire = |name: &str, v: usize| {
+            u32::try_from(v).map_err(|_| {
+                crate::pruner::PrunerError::new_err(format!(
+                    "{name} = {v}; the daemon's protocol carries at most {}",
+                    u32::MAX
+                ))
+            })
+        };
+        Ok(PyDaemonPrunerConfig {
             inner: proto::PrunerConfig {
-                top_k,
-                beam_width,
-                max_nodes,
-                level_exponent,
-                logit_decay,
-                ngram_weight,
-                ngram_at_level0,
-                eos_id,
-                eps,
+                top_k: Some(wire("top_k", c.top_k)?),
+                beam_width: Some(wire("beam_width", c.beam_width)?),
+                max_nodes: Some(wire("max_nodes", c.max_nodes)?),
+                level_exponent: Some(c.level_exponent),
+                logit_decay: Some(c.logit_decay),
+                ngram_weight: Some(c.ngram_weight),
+                ngram_at_level0: Some(c.ngram_at_level0),
+                eos_id: c.eos_id,
+                eps: Some(c.eps),
             },
-        }
+        })
     }
 }
 
