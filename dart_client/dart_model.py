@@ -19,7 +19,7 @@ from dart_client.decoding.config import (
     resolve_tree_budget,
 )
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
-from dart_client.decoding.loop import GenerationResult, GenerationStream, generate
+from dart_client.decoding.loop import GenerationResult, GenerationStream, PrefixCache, generate
 from dart_client.decoding.prune import PrunerTreeBuilder, TreeBuilder, pruner_max_nodes
 from dart_client.errors import (
     DartError,
@@ -34,6 +34,7 @@ from dart_client.loading import (
     load_ngram,
     load_pruner,
     load_target,
+    note,
     torch_dtype,
 )
 from dart_client.models.head import DartHead
@@ -260,12 +261,15 @@ class DartModel:
         input_ids: Any = None,
         stream: bool = False,
         mode: str = "dart",
+        prefix_cache: PrefixCache | None = None,
         **overrides: Any,
     ) -> GenerationResult | GenerationStream:
         """Generate from a text ``prompt`` (token ids work too), chat ``messages`` or
         ``input_ids`` with ``config`` (default :class:`GenerationConfig`), any field of which
         ``overrides`` replace (``max_new_tokens=64``). ``mode="ar"`` runs the autoregressive
-        baseline on the same path. ``stream=True`` returns a :class:`GenerationStream`."""
+        baseline on the same path. ``stream=True`` returns a :class:`GenerationStream`.
+        ``prefix_cache`` (a :class:`~dart_client.decoding.loop.PrefixCache`, one per
+        conversation) reuses the caches of the previous turn: only new tokens are prefilled."""
         if isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
@@ -283,6 +287,7 @@ class DartModel:
             messages=messages,
             input_ids=input_ids,
             stream=stream,
+            prefix_cache=prefix_cache,
         )
 
     def ar_generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
@@ -388,7 +393,44 @@ def build_model(
     )
     if template == "none":
         model.template = None
+    if parse_tree_budget(tree_budget) == "auto" and model.tree_builder is not None:
+        from dart_client.decoding.autotune import tune_cached
+
+        key = {
+            "target": _identity(base),
+            "head": _identity(head, embedded=base is None),
+            "ngram": ngram_server if ngram_server else _identity(ngram),
+            "small_ngram": small_ngram,
+            "device": str(target_model.device),
+            "dtype": str(target_model.dtype),
+            "cpu_kernels": cpu_kernels,
+            "prompt_lookup": prompt_lookup,
+        }
+        note(notes, tune_cached(model, key))
     return model
+
+
+def _identity(spec: str | None, *, embedded: bool = False) -> str:
+    """What names a loaded part in the tuning cache's key: a local file or directory with its
+    size and modification time (a rebuilt one is a new part), else the name as given."""
+    if spec is None:
+        from dart_client.embedded import smollm2_gguf
+
+        return _identity(str(smollm2_gguf()))
+    if spec == "auto" and embedded:
+        from dart_client.embedded import SHIPPED_HEAD_DIR
+
+        spec = str(SHIPPED_HEAD_DIR / "model.safetensors")
+    if spec == "embedded":
+        from dart_client.ngram.embedded import ensure_ngram
+
+        spec = str(ensure_ngram().path)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return spec
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    stamps = ",".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    return f"{path.resolve()}[{stamps}]"
 
 
 def check_ngram_compatible(ngram: Any, tokenizer: Any, target_vocab: int) -> None:

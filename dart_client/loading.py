@@ -17,29 +17,49 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dart_client.errors import InvalidArgumentError, MissingResourceError
 
-__all__ = [
-    "DTYPES",
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [  # and DTYPES (name -> torch dtype), built on first use by __getattr__
+    "DTYPE_NAMES",
+    "check_spec",
     "gguf_unpacked",
+    "is_hub_id",
     "load_head",
     "load_ngram",
     "load_pruner",
     "load_target",
+    "note",
     "torch_dtype",
+    "unpacked_gguf",
 ]
 
-#: Command-line dtype names (``--dtype``, ``--target-dtype``, ``--head-dtype``).
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp64": torch.float64,
-}
+#: Command-line dtype names (``--dtype``, ``--target-dtype``, ``--head-dtype``), in the order
+#: of :data:`DTYPES`. Known without importing torch, so argument parsing stays fast.
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp64")
+
+
+def __getattr__(name: str) -> Any:
+    # ``DTYPES`` (name -> torch dtype) is built on first use: this module imports torch only
+    # when something is loaded.
+    if name == "DTYPES":
+        import torch
+
+        dtypes: dict[str, torch.dtype] = dict(
+            zip(
+                DTYPE_NAMES,
+                (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                strict=True,
+            )
+        )
+        globals()["DTYPES"] = dtypes
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Files that make a directory a transformers model.
 _MODEL_FILES = ("config.json",)
@@ -49,10 +69,31 @@ def torch_dtype(name: str) -> torch.dtype | str:
     """A :data:`DTYPES` name as a torch dtype; ``"auto"`` stays ``"auto"`` (the checkpoint's)."""
     if name == "auto":
         return "auto"
+    dtypes: dict[str, torch.dtype] = __getattr__("DTYPES")
     try:
-        return DTYPES[name]
+        return dtypes[name]
     except KeyError:
-        raise InvalidArgumentError(f"dtype {name!r}; expected one of {[*DTYPES, 'auto']}") from None
+        raise InvalidArgumentError(
+            f"dtype {name!r}; expected one of {[*DTYPE_NAMES, 'auto']}"
+        ) from None
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face hub id (``owner/name``), not a local path."""
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and ":" not in spec
+
+
+def check_spec(kind: str, spec: str, *, suffixes: tuple[str, ...] = ()) -> None:
+    """Raises :class:`MissingResourceError` when ``spec`` (a ``kind``: "target", "head",
+    "n-gram") is neither an existing path nor a hub id: checked before anything loads. A path
+    ending in one of ``suffixes`` (e.g. ``.gguf``) must exist even when it looks like a hub id."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return
+    if suffixes and spec.endswith(suffixes):
+        raise MissingResourceError(f"{spec}: {kind} file not found")
+    if not is_hub_id(spec):
+        raise MissingResourceError(f"{spec}: no such {kind} (neither a local path nor a hub id)")
 
 
 def gguf_unpacked() -> dict[str, Any]:
@@ -90,15 +131,17 @@ def load_target(
     if device_map is not None:
         load_kwargs["device_map"] = device_map
     path = Path(spec)
+    tok_kwargs: dict[str, Any]
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MissingResourceError(f"{path}: GGUF file not found")
-        location, tok_kwargs = str(path.parent), {"gguf_file": path.name}
-        load_kwargs["gguf_file"] = path.name
-        if device_map in (None, "cpu") and "quantization_config" not in load_kwargs:
-            # On the CPU the weights are unpacked into the dtype (the decoding kernels repack
-            # them for oneDNN).
-            load_kwargs.update(gguf_unpacked())
+        if "quantization_config" in load_kwargs:  # the caller's own GGUF handling
+            location, tok_kwargs = str(path.parent), {"gguf_file": path.name}
+            load_kwargs["gguf_file"] = path.name
+        else:
+            # The weights are unpacked into the dtype once and kept as safetensors; every
+            # later load reads those (the decoding kernels repack them for oneDNN).
+            location, tok_kwargs = str(unpacked_gguf(path, dtype)), {}
     else:
         location, tok_kwargs = str(spec), {}
         if path.is_dir() and not any((path / f).is_file() for f in _MODEL_FILES):
@@ -111,9 +154,64 @@ def load_target(
                 f"{path}: not a model (expected a transformers model directory, a .gguf file "
                 "or a hub id)"
             )
-    tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(location, **load_kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, **load_kwargs)
+    except Exception as err:
+        if path.exists() or not is_hub_id(str(spec)):
+            raise
+        # A hub id that does not resolve (offline, misspelt, gated): one line, not the
+        # transformers / huggingface_hub traceback.
+        raise MissingResourceError(
+            f"{spec}: not a local path, and loading it from the Hugging Face hub failed "
+            f"({type(err).__name__}: {_first_line(err)})"
+        ) from None
     return model.eval(), tokenizer
+
+
+def unpacked_gguf(gguf: Path, dtype: torch.dtype | str | None = None) -> Path:
+    """A transformers model directory (config, safetensors, tokenizer) holding ``gguf``'s
+    weights unpacked into ``dtype``: written once into the cache directory, keyed by the
+    file (path, size, modification time), the dtype and the transformers version, and
+    reused by every later load. Unpacking a GGUF takes seconds; reading safetensors does not.
+    """
+    import os
+    import shutil
+
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dart_client.embedded import cache_dir
+
+    stat = gguf.stat()
+    dtype_name = str(dtype).replace("torch.", "")
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dtype_name}:"
+    key += transformers.__version__
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{dtype_name}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    load_kwargs: dict[str, Any] = {"gguf_file": gguf.name, **gguf_unpacked()}
+    if dtype is not None:
+        load_kwargs["dtype"] = dtype
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **load_kwargs)
+    # Written beside the final name and renamed into place: a reader never sees half of it.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    del model
+    try:
+        tmp.rename(out)
+    except OSError:  # another process got there first: theirs is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def load_head(
@@ -139,14 +237,14 @@ def load_head(
         from dart_client.embedded import SHIPPED_HEAD_DIR
 
         if embedded_target and (SHIPPED_HEAD_DIR / "model.safetensors").is_file():
-            _note(notes, f"head: {SHIPPED_HEAD_DIR}")
+            note(notes, f"head: {SHIPPED_HEAD_DIR}")
             spec = str(SHIPPED_HEAD_DIR)
         else:
             spec = "random"
     if spec == "random":
         if target_config is None:
             raise InvalidArgumentError("a random head needs the target's config")
-        _note(
+        note(
             notes,
             "head: an untrained random head drafts nothing useful (tau near 1): speedups then "
             "reflect the overhead, not the method",
@@ -181,7 +279,7 @@ def load_ngram(spec: str | Path, *, is_small: bool = False) -> Any:
         else:
             raise MissingResourceError(f"{spec}: no {name}.ngram or {name}.trie in this directory")
     elif not p.exists():
-        if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        if not is_hub_id(text):
             raise MissingResourceError(f"{spec}: no such n-gram model")
         try:
             from huggingface_hub import hf_hub_download
@@ -218,7 +316,8 @@ def _converted_trie(trie: Path) -> Path:
     return out
 
 
-def _note(notes: list[str] | None, text: str) -> None:
+def note(notes: list[str] | None, text: str) -> None:
+    """Append ``text`` to ``notes``, or print it to stderr as a note when ``notes`` is None."""
     if notes is None:
         print(f"note: {text}", file=sys.stderr)
     else:

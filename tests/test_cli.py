@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +185,120 @@ def test_ngram_with_a_larger_vocabulary_is_refused(tmp_path: Path) -> None:
     build([str(docs)], str(path), order=2, vocab_size=TINY_VOCAB * 4, eos_id=TINY_EOS)
     with pytest.raises(IncompatibleNGramError, match=f"more than the target's {TINY_VOCAB}"):
         DartModel(target, head, ngram=NGram.open(str(path)))
+
+
+# ---- the front door: fast help, defaults, checks before loading --------------------------------
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_command_line_imports_no_torch() -> None:
+    """``dart --help``, ``dart --version`` and every ``dart SUB --help`` answer without
+    importing torch or transformers (they take seconds to import): checked in a fresh
+    interpreter, by what is in sys.modules afterwards."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from dart_client.apps.cli import main, SUBCOMMANDS\n"
+        "assert 'torch' not in sys.modules, 'import'\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0 and main(['--version']) == 0\n"
+        "    for name in SUBCOMMANDS:\n"
+        "        assert main([name, '--help']) == 0, name\n"
+        "        assert 'torch' not in sys.modules, name\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    # The public API still imports from the package root (loaded on first use).
+    done = _python(
+        "from dart_client import DartModel, GenerationConfig, dart_generate, ar_generate\n"
+        "import dart_client; print(DartModel.__name__, 'DartModel' in dir(dart_client))"
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["DartModel", "True"], done.stderr
+
+
+def test_version_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from dart_client import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dart {__version__}"
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dart demo") and "--ui" in out and "side-by-side" in out
+
+
+def test_paths_and_defaults_are_checked_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad paths are usage errors (exit 2) found before anything loads; so is --head auto
+    (the default) with a target it was not trained for, and a missing --ngram there."""
+    missing = str(tmp_path / "nowhere")
+    cases = {
+        ("--base", f"{missing}.gguf"): "target file not found",
+        ("--base", missing): "neither a local path nor a hub id",
+        ("--head", missing): "no such head",
+        ("--ngram", f"{missing}.ngram"): "n-gram model file not found",
+        ("--base", str(tmp_path)): "--head auto: a head is shipped for the embedded target",
+        ("--base", str(tmp_path), "--head", "random"): "pass --ngram PATH",
+    }
+    for extra, fragment in cases.items():
+        assert main(["generate", *extra, "hello"]) == 2, extra
+        err = capsys.readouterr().err
+        assert "usage:" in err and fragment in err, (extra, err)
+
+
+def test_unreachable_hub_id_is_one_line() -> None:
+    """A hub id that cannot be fetched (here: offline) fails with one line and exit 1."""
+    done = _python(
+        "import sys\nfrom dart_client.apps.cli import main\n"
+        "sys.exit(main(['generate', '--base', 'no-such-owner/no-such-model', '--ar', 'hi']))",
+        HF_HUB_OFFLINE="1",
+    )
+    assert done.returncode == 1, done.stderr
+    _one_line_error(done.stderr, "no-such-owner/no-such-model: not a local path, and loading")
+
+
+def test_auto_tree_budget_is_tuned_once_and_cached(
+    tiny_dir: Path,
+    tiny_ngram_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    one_thread: None,
+) -> None:
+    """The default --tree-budget auto tunes at the first start and reads the cached result
+    at the next: the same budget, no second tuning."""
+    import dart_client.decoding.autotune as autotune
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path))
+    tunings: list[int] = []
+    real = autotune.autotune
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tunings.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "autotune", counted)
+    argv = ["generate", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
+            "--ngram", str(tiny_ngram_path), "--raw", "--max-new-tokens", "4", "--json",
+            "w5 w17 w200"]  # fmt: skip
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "tuned in" in first.err and len(tunings) == 1, first.err
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert "tuned earlier" in second.err and len(tunings) == 1, second.err
+    budget = re.search(r"tree budget (\d+),", first.err)
+    assert budget and f"tree budget {budget.group(1)}," in second.err
+    assert json.loads(second.out)["tokens"] == json.loads(first.out)["tokens"]

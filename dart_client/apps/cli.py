@@ -53,6 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from dart_client._native import __version__
+
+        print(f"dart {__version__}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"dart: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
@@ -89,7 +94,10 @@ def run_command(prog: str, func: Callable[[list[str]], int | None], argv: list[s
 def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     lines = [f"  {n:<{width}}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
-    return "usage: dart COMMAND [ARGS...]\n\ncommands:\n" + "\n".join(lines)
+    return (
+        "usage: dart COMMAND [ARGS...]   (dart COMMAND --help: its options; dart --version)\n\n"
+        "commands:\n" + "\n".join(lines)
+    )
 
 
 def demo_main(argv: Sequence[str]) -> int:
@@ -100,9 +108,9 @@ def demo_main(argv: Sequence[str]) -> int:
         from dart_client.apps.ui.app import main as ui_main
 
         return ui_main(args)
-    from dart_client.apps.demo import main as ngram_demo_main
+    from dart_client.apps.demo import main as demo
 
-    ngram_demo_main(args)
+    demo(args)
     return 0
 
 
@@ -179,9 +187,18 @@ def generate_main(argv: Sequence[str]) -> int:
 
 # -- dart chat ------------------------------------------------------------------------------------
 
+CHAT_HELP = (
+    "dart chat: /exit (or Ctrl-D) quits, /reset starts a new conversation; end a line with \\ "
+    "to continue the message on the next line, or type /paste and end the pasted text with "
+    "a line holding only '.'"
+)
+
 
 def chat_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="dart chat", description="Interactive chat, streamed.")
+    p = argparse.ArgumentParser(
+        prog="dart chat",
+        description="Interactive chat, streamed. " + CHAT_HELP.removeprefix("dart chat: ") + ".",
+    )
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--system", help="system message")
@@ -194,21 +211,27 @@ def chat_main(argv: Sequence[str]) -> int:
     model = load_model(args)
     if model.template is None:
         raise DartError("chat needs a chat template (--template qwen|llama3|chatml)")
+    from dart_client.decoding.loop import PrefixCache
+
     mode = "ar" if args.ar else "dart"
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    print("dart chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    # The conversation's KV caches: each turn prefills only what the template added since.
+    kept = PrefixCache()
+    print(CHAT_HELP, file=sys.stderr)
     while True:
-        try:
-            line = input("> ")
-        except EOFError:
+        message = _read_message()
+        if message is None or message.strip() == "/exit":
             break
-        if not line.strip():
-            break
-        history.append({"role": "user", "content": line})
+        if message.strip() == "/reset":
+            history, kept = list(start), PrefixCache()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if not message.strip():
+            continue
+        history.append({"role": "user", "content": message})
         text = model.template.format(messages=history, **_format_options(args))
-        stream = model.generate(text, config, mode=mode, stream=True)
+        stream = model.generate(text, config, mode=mode, stream=True, prefix_cache=kept)
         for event in stream:  # Ctrl-C: the text so far is already printed
             print(event.text, end="", flush=True)
         print()
@@ -216,8 +239,27 @@ def chat_main(argv: Sequence[str]) -> int:
         assert result is not None
         history.append({"role": "assistant", "content": result.text})
         if args.stats:
-            print(_stats(result), file=sys.stderr)
+            print(f"{_stats(result)}; {kept.reused} cached prompt tokens reused", file=sys.stderr)
     return 0
+
+
+def _read_message() -> str | None:
+    """One user message from stdin: a line, continued while it ends with a backslash, or a
+    pasted block between ``/paste`` and a line holding only ``.``; None at end of input."""
+    try:
+        line = input("> ")
+        if line.strip() == "/paste":
+            lines: list[str] = []
+            while (line := input()) != ".":
+                lines.append(line)
+            return "\n".join(lines)
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = input("... ")
+        return "\n".join([*lines, line])
+    except EOFError:
+        return None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import time
 
 from dart_client import embedded
-from dart_client.ngram.embedded import ensure_ngram
 
 EXAMPLE_CONTEXTS = [
     "<|im_start|>assistant\n",
@@ -29,6 +28,7 @@ def ngram_demo(memory: str = "2G") -> None:
     from transformers import AutoTokenizer
 
     from dart_client.ngram import NGram
+    from dart_client.ngram.embedded import ensure_ngram
 
     built = ensure_ngram(memory=memory)
     if built.built_now:
@@ -75,6 +75,7 @@ def generation_demo(max_new_tokens: int, threads: int | None) -> None:
 
     from dart_client.dart_model import DartModel
     from dart_client.ngram import NGram
+    from dart_client.ngram.embedded import ensure_ngram
 
     if threads:
         torch.set_num_threads(threads)
@@ -127,13 +128,30 @@ def generation_demo(max_new_tokens: int, threads: int | None) -> None:
     )
 
 
+def parser() -> argparse.ArgumentParser:
+    """``dart demo``'s options (``--ui`` is handled by :func:`dart_client.apps.cli.demo_main`;
+    it is listed here so that ``dart demo --help`` shows it)."""
+    p = argparse.ArgumentParser(
+        prog="dart demo",
+        description="The embedded default end to end: builds (once) the ShareGPT 3-gram and "
+        "shows a few queries, then generates replies with SmolLM2-135M-Instruct twice, "
+        "autoregressive and DART with the shipped head, and compares speed and outputs.",
+    )
+    p.add_argument(
+        "--ui",
+        action="store_true",
+        help="instead, serve the side-by-side page (DART and autoregressive racing in the "
+        "browser); `dart demo --ui --help` lists its options (--port, --host, --base, ...)",
+    )
+    p.add_argument("--memory", default="2G", help="memory budget of the n-gram build")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--skip-generation", action="store_true", help="the n-gram part only")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--memory", default="2G", help="memory budget of the n-gram build")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--skip-generation", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     ngram_demo(memory=args.memory)
     if not args.skip_generation:
         generation_demo(args.max_new_tokens, args.threads)

@@ -5,14 +5,19 @@ Only argument parsing lives here; loading is :func:`dart_client.dart_model.build
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dart_client.decoding.config import GenerationConfig, parse_tree_budget
 from dart_client.errors import DartError
-from dart_client.loading import DTYPES
+from dart_client.loading import DTYPE_NAMES, check_spec
+
+if TYPE_CHECKING:
+    from dart_client.decoding.config import GenerationConfig
+
+# Nothing here imports torch at module level (the generation config's module does): ``--help``
+# and usage errors answer without loading it.
 
 #: ``--dtype`` choices: the loader's names and ``auto`` (the checkpoint's dtype).
-DTYPE_CHOICES = [*DTYPES, "auto"]
+DTYPE_CHOICES = [*DTYPE_NAMES, "auto"]
 
 
 # -- shared model options ---------------------------------------------------------------------
@@ -27,13 +32,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--head",
-        help="DART head directory or hub id; 'random' for an untrained "
-        "head (tau near 1); omit with --ar",
+        default="auto",
+        help="DART head directory or hub id; 'random' for an untrained head (tau near 1); "
+        "'auto' (default): the head shipped for the embedded target",
     )
     g.add_argument(
         "--ngram",
-        help="n-gram model (.ngram, .trie, directory or hub id); "
-        "'embedded' for the ShareGPT 3-gram of the embedded default",
+        help="n-gram model (.ngram, .trie, directory or hub id); 'embedded': the ShareGPT "
+        "3-gram of the embedded target (the default without --base)",
     )
     g.add_argument("--small-ngram", action="store_true", help="use the directory's small model")
     g.add_argument("--ngram-server", help="host:port of an n-gram daemon instead of --ngram")
@@ -83,14 +89,17 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tree-budget",
         type=_tree_budget,
-        default=None,
-        help="draft nodes per step, or 'auto' (measured on this machine)",
+        default="auto",
+        help="draft nodes per step, or 'auto' (default): the fastest size measured for this "
+        "model and device the first time, then cached",
     )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
 
 
 def _tree_budget(value: str) -> int | str | None:
+    from dart_client.decoding.config import parse_tree_budget
+
     try:
         return parse_tree_budget(value)
     except DartError as err:
@@ -102,6 +111,8 @@ def generation_config(
 ) -> GenerationConfig:
     """The config the sampling options describe; a bad value is a usage error (exit 2), found
     before any model loads."""
+    from dart_client.decoding.config import GenerationConfig
+
     try:
         return GenerationConfig(
             max_new_tokens=args.max_new_tokens,
@@ -133,11 +144,35 @@ def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentPar
 
         if args.template not in TEMPLATE_REGISTRY:
             parser.error(f"--template {args.template!r}: unknown chat template")
-    if not args.ar:
-        if args.head is None:
-            parser.error("pass --head DIR (or --head random for an untrained head), or use --ar")
-        if not args.ngram and not args.ngram_server:
-            parser.error("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
+    if args.base is not None:
+        _check(parser, "--base", "target", args.base, suffixes=(".gguf",))
+    if args.ar:
+        return
+    if args.head == "auto" and args.base is not None:
+        parser.error(
+            "--head auto: a head is shipped for the embedded target only; pass --head DIR "
+            f"(a head trained for {args.base}, see dart train), --head random, or use --ar"
+        )
+    if args.head not in ("auto", "random"):
+        _check(parser, "--head", "head", args.head)
+    if args.ngram is None and not args.ngram_server:
+        if args.base is not None:
+            parser.error(
+                "pass --ngram PATH (an n-gram built with the target's tokenizer: "
+                "dart-ngram build, or a reference .trie), --ngram-server, or use --ar"
+            )
+        args.ngram = "embedded"
+    if args.ngram and args.ngram != "embedded" and not args.ngram.startswith("grpc"):
+        _check(parser, "--ngram", "n-gram model", args.ngram, suffixes=(".ngram", ".trie"))
+
+
+def _check(
+    parser: argparse.ArgumentParser, option: str, kind: str, spec: str, **kwargs: Any
+) -> None:
+    try:
+        check_spec(kind, spec, **kwargs)
+    except DartError as err:
+        parser.error(f"{option} {err}")
 
 
 def load_model(args: argparse.Namespace) -> Any:
@@ -156,4 +191,5 @@ def load_model(args: argparse.Namespace) -> Any:
         ar=args.ar,
         cpu_kernels=args.cpu_kernels,
         prompt_lookup=args.prompt_lookup,
+        tree_budget=getattr(args, "tree_budget", None),
     )

@@ -12,13 +12,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dart_client.apps.options import add_prompt_lookup_argument
 from dart_client.data.conversations import Conversation, is_held_out
 from dart_client.data.prompt_response import read_conversations
 from dart_client.errors import DartError
-from dart_client.loading import DTYPES, load_target
+from dart_client.loading import load_target, torch_dtype
 
 
 def _default_data() -> list[str]:
@@ -83,6 +81,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import torch  # here, not at import: `dart train --help` answers without it
+
     from dart_client.devices import check_device
     from dart_client.train.data import cached_training_set
     from dart_client.train.trainer import TrainConfig, Trainer, init_distributed
@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
     )
-    model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+    model, tokenizer = load_target(args.target, dtype=torch_dtype(args.target_dtype))
     target_desc = args.target or "the embedded SmolLM2-135M-Instruct"
     data_paths = args.data or _default_data()
     cache = out / "data-cache"
@@ -240,6 +240,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import torch
+
     from dart_client.embedded import cache_dir
     from dart_client.models.head import DartHead
     from dart_client.train.data import cached_training_set
@@ -247,7 +249,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+    model, tokenizer = load_target(args.target, dtype=torch_dtype(args.target_dtype))
     target_desc = args.target or "the embedded SmolLM2-135M-Instruct"
     head = DartHead.from_pretrained(args.head)
     head.check_compatible(model.config)
@@ -338,6 +340,8 @@ def _tau(
 
 
 def regenerate_main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
     from dart_client.devices import check_device
     from dart_client.models.linear import pack_linear_layers
     from dart_client.train.regenerate import regenerate
@@ -364,7 +368,7 @@ def regenerate_main(argv: Sequence[str] | None = None) -> int:
         device = check_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
-        model, tokenizer = load_target(args.target, dtype=DTYPES[args.target_dtype])
+        model, tokenizer = load_target(args.target, dtype=torch_dtype(args.target_dtype))
         model.to(device)
         # Batched decoding multiplies a few dozen rows per step: faster with packed weights
         # (a no-op off the CPU).

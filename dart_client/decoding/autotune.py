@@ -447,3 +447,58 @@ def _verify_costs(
             cache.truncate(n)
     ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
     return {b: ms[b] for b in budgets}, ms[-1]
+
+
+# -- the tuning cache ---------------------------------------------------------------------------
+
+#: Bump when the tuner's measurement changes, so older cached tunings are not reused.
+CACHE_VERSION = 1
+
+
+def tune_cached(model: DartModel, key: dict[str, Any]) -> str:
+    """:func:`auto_budget` with the result cached on disk under ``key`` (what identifies the
+    target, head, n-gram, device and dtype: the caller's choice; the thread count is added),
+    so that a command line tunes once per setup rather than at every start. The cache lives
+    in ``<cache dir>/tuning/``; deleting a file there re-tunes. Returns a note saying what
+    happened; the tuning lands in ``model.tree_tuning``."""
+    import hashlib
+    import json
+    import os
+
+    from dart_client.embedded import cache_dir
+
+    full_key = {**key, "threads": torch.get_num_threads(), "version": CACHE_VERSION}
+    text = json.dumps(full_key, sort_keys=True, default=str)
+    path = cache_dir() / "tuning" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    tuning = _read_tuning(path, text)
+    if tuning is not None:
+        note = f"tree budget {tuning.best_budget}, tuned earlier for this setup ({path})"
+    else:
+        tuning = autotune(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": json.loads(text), "tuning": tuning.to_dict()}))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+        note = (
+            f"tree budget {tuning.best_budget}, tuned in {tuning.seconds:.1f} s and cached in "
+            f"{path} (delete it to re-tune; --tree-budget N skips tuning)"
+        )
+    model.tree_tuning = tuning
+    return note
+
+
+def _read_tuning(path: Any, key_text: str) -> TreeBudgetTuning | None:
+    """The tuning cached at ``path`` for exactly this key; None when absent or unreadable."""
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+        if json.dumps(raw["key"], sort_keys=True, default=str) != key_text:
+            return None
+        data = dict(raw["tuning"])
+        data["curve"] = [
+            BudgetPoint(**{k: v for k, v in p.items() if k != "step_ms"}) for p in data["curve"]
+        ]
+        return TreeBudgetTuning(**data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -48,6 +48,47 @@ PRUNER_CONTEXT = 8
 
 
 @dataclass
+class PrefixCache:
+    """The target's and the head's KV caches of a conversation, kept between generations.
+
+    Pass the same ``PrefixCache`` to every turn (``model.generate(..., prefix_cache=pc)``):
+    a prompt that starts with the tokens already cached prefills only what follows them (a
+    chat's next turn), any other prompt prefills from where the two part (from 0 at worst).
+    The outputs are those of a full prefill. ``reset()`` forgets the conversation.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    cache: Any = None
+    head_cache: Any = None
+    #: Tokens the last generation took from the cache (its prefill skipped them).
+    reused: int = 0
+
+    def reset(self) -> None:
+        self.tokens, self.cache, self.head_cache, self.reused = [], None, None, 0
+
+    def _start(self, prompt: list[int], capacity: int, head_capacity: int | None) -> int:
+        """Where this prompt's prefill starts: the cached tokens it shares, less one (whose
+        taps the head reads again); 0 when the caches are too small for this generation
+        (``head_capacity`` None: no head runs)."""
+        cache = self.cache
+        if cache is None or cache.capacity < capacity:
+            return 0
+        head = head_capacity is not None
+        if head and (self.head_cache is None or self.head_cache.capacity < head_capacity):
+            return 0
+        shared = 0
+        for a, b in zip(self.tokens, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        start = max(min(shared, len(prompt)) - 1, 0)
+        start = min(start, cache.length)
+        if head:
+            start = min(start, self.head_cache.length)
+        return start
+
+
+@dataclass
 class GenerationResult:
     """What a generation produced, and how fast.
 
@@ -157,6 +198,7 @@ def generate(
     messages: Sequence[dict[str, str]] | None = None,
     input_ids: Any = None,
     stream: bool = False,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationResult | GenerationStream:
     """The generation loop: ``mode="dart"`` (speculative, lossless) or ``"ar"`` (the baseline).
 
@@ -207,6 +249,7 @@ def generate(
         None if tree_budget is None else int(tree_budget),
         config.seed,
         lookup if mode == "dart" else None,
+        prefix_cache,
     )
     if stream:
         return GenerationStream(run.events())
@@ -233,8 +276,10 @@ class _Run:
         tree_budget: int | None,
         seed: int | None,
         lookup: PromptLookupConfig | None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.target = model.target
         self.mode = mode
         self.prompt = ids
@@ -276,9 +321,21 @@ class _Run:
         target = self.target
         head = self.model.head if self.mode == "dart" else None
         prompt_len = len(self.prompt)
-        cache = target.new_cache(self.max_length)
-        ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
-        positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
+        kept = self.prefix_cache
+        head_capacity = None if head is None else self.max_length + head.config.draft_length
+        begin = kept._start(self.prompt, self.max_length, head_capacity) if kept else 0
+        if kept is not None:
+            # Until this generation ends the caches change under the recorded tokens: an
+            # interrupted generation leaves nothing to reuse.
+            kept.tokens = []
+        if begin > 0:
+            assert kept is not None
+            cache = kept.cache
+            cache.truncate(begin)
+        else:
+            cache = target.new_cache(self.max_length)
+        ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
+        positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
         logits, taps = target.forward(
             ids, positions, cache, logits_to_keep=1, taps=head is not None
         )
@@ -298,9 +355,14 @@ class _Run:
         if head is not None and self.finish is None:
             assert taps is not None
             t = self._clock()
-            head_cache = head.new_cache(self.max_length + head.config.draft_length)
+            if begin > 0:
+                assert kept is not None
+                head_cache = kept.head_cache
+                head_cache.truncate(begin)
+            else:
+                head_cache = head.new_cache(head_capacity)
             next_ids = torch.tensor(
-                [[*self.prompt[1:], first]], dtype=torch.long, device=self.device
+                [[*self.prompt[begin + 1 :], first]], dtype=torch.long, device=self.device
             )
             rows = draft_rows(head, head_cache, taps, next_ids, self.model.draft_top_k)
             # The head's pass over the whole prompt is prefill work, not a per-step draft.
@@ -378,6 +440,9 @@ class _Run:
                 pending = (taps, acc.nodes, new)
             yield event
 
+        if kept is not None:
+            kept.tokens = (self.prompt + self.generated)[: cache.length]
+            kept.cache, kept.head_cache, kept.reused = cache, head_cache, begin
         text = self._text()
         elapsed = self._clock() - start
         yield GenerationResult(

@@ -20,9 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dart_client.apps.bench import harness, report
+from dart_client.apps.bench import METHODS
 from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
 from dart_client.errors import DartError
 
@@ -57,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--methods",
         nargs="+",
-        default=list(harness.METHODS),
-        choices=list(harness.METHODS),
+        default=list(METHODS),
+        choices=list(METHODS),
         help="methods to compare (ar is required: the baseline)",
     )
     g.add_argument("--max-prompts", type=int, default=10, help="prompts per workload")
@@ -126,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, model: Any = None) -> int:
     """The benchmark the arguments describe (``model``: an already loaded DartModel)."""
+    import torch  # here, not at import: `dart bench --help` answers without it
+
+    from dart_client.apps.bench import harness, report
     from dart_client.decoding.autotune import MAX_CONTINUATION_TOKENS
     from dart_client.decoding.config import parse_tree_budget
 

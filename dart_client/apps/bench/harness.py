@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dart_client import _native
+from dart_client.apps.bench import METHODS
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: The trained head of the embedded default, shipped inside the package.
 EMBEDDED_HEAD_DIR = SHIPPED_HEAD_DIR
-METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-no-lookup", "dart-remote")
 
 
 class BenchError(DartError):
