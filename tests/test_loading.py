@@ -1,0 +1,50 @@
+"""Loading the embedded target: the GGUF is unpacked once into the cache directory and read
+from there afterwards, with the weights of a direct GGUF load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dart_client.loading import load_target, unpacked_gguf
+
+
+def test_gguf_is_unpacked_once_then_read_from_the_cache(
+    smollm2_fp32: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import smollm2_gguf_path
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path))
+    gguf = smollm2_gguf_path()
+    direct, direct_tok = smollm2_fp32
+
+    first, _ = load_target(gguf, dtype=torch.float32)
+    cached = unpacked_gguf(gguf, torch.float32)
+    assert cached.parent == tmp_path / "gguf" and (cached / "config.json").is_file()
+    assert not list(cached.parent.glob("*.tmp-*"))  # written aside, renamed into place
+
+    # The second load reads the safetensors: transformers never sees the GGUF again.
+    calls: list[dict[str, Any]] = []
+    real = AutoModelForCausalLM.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def recorded(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recorded))
+    second, tokenizer = load_target(gguf, dtype=torch.float32)
+    assert calls and all("gguf_file" not in kw for kw in calls), calls
+
+    expected = direct.state_dict()
+    for model in (first, second):
+        state = model.state_dict()
+        assert state.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(state[name], tensor), name
+    text = "<|im_start|>user\nHello there<|im_end|>\n"
+    assert tokenizer(text)["input_ids"] == direct_tok(text)["input_ids"]
+    assert tokenizer.chat_template == direct_tok.chat_template
