@@ -13,7 +13,7 @@ from dart_client._native import __version__
 if TYPE_CHECKING:
     from dart_client.dart_model import DartModel, ar_generate, dart_generate
     from dart_client.decoding.config import GenerationConfig
-    from dart_client.decoding.loop import GenerationResult, GenerationStream
+    from dart_client.decoding.loop import GenerationResult, GenerationStream, PrefixCache
     from dart_client.templates import TEMPLATE_REGISTRY
 
 #: public name -> the module that defines it.
@@ -24,6 +24,7 @@ _LAZY = {
     "GenerationConfig": "dart_client.decoding.config",
     "GenerationResult": "dart_client.decoding.loop",
     "GenerationStream": "dart_client.decoding.loop",
+    "PrefixCache": "dart_client.decoding.loop",
     "TEMPLATE_REGISTRY": "dart_client.templates",
 }
 
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationResult",
     "GenerationStream",
+    "PrefixCache",
     "__version__",
     "ar_generate",
     "dart_generate",

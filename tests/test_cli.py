@@ -302,3 +302,95 @@ def test_auto_tree_budget_is_tuned_once_and_cached(
     budget = re.search(r"tree budget (\d+),", first.err)
     assert budget and f"tree budget {budget.group(1)}," in second.err
     assert json.loads(second.out)["tokens"] == json.loads(first.out)["tokens"]
+
+
+# ---- dart chat: the conversation's caches between turns ---------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["dart", "ar"])
+def test_prefix_cache_prefills_only_the_new_turn(
+    tiny_ngram_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """A conversation's next turn reuses the caches of the previous one (only the new tokens
+    are prefilled) and generates exactly what a fresh full prefill does (fp32, greedy), the
+    head drafting the same rows from its reused cache; a prompt that parts from the cached
+    tokens midway reuses only the shared part."""
+    import numpy as np
+    import torch
+
+    import dart_client.decoding.loop as loop
+    from dart_client.decoding.loop import PrefixCache
+
+    drafts: list[Any] = []
+    real_draft_rows = loop.draft_rows
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        rows = real_draft_rows(*args, **kwargs)
+        drafts.append(rows.ids.copy())
+        return rows
+
+    monkeypatch.setattr(loop, "draft_rows", recorded)
+
+    target = make_tiny_target("llama", dtype=torch.float32, seed=3)
+    head = DartHead.random_init(target.config, draft_length=2, seed=1)
+    model = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), tree_budget=8)
+    kept = PrefixCache()
+    turn, shared = [1, 5, 17, 200, 33, 41, 9], 0
+    for n in range(3):
+        drafts.clear()
+        kept_result = model.generate(turn, mode=mode, max_new_tokens=10, prefix_cache=kept)
+        kept_drafts = list(drafts)
+        drafts.clear()
+        fresh = model.generate(turn, mode=mode, max_new_tokens=10)
+        assert kept_result.tokens == fresh.tokens, n
+        assert len(kept_drafts) == len(drafts) and bool(drafts) == (mode == "dart")
+        for a, b in zip(kept_drafts, drafts, strict=True):  # the head read the same states
+            assert np.array_equal(a, b), n
+        if n == 0:
+            assert kept.reused == 0
+        else:  # everything cached but the last shared token, whose taps the head reads again
+            assert kept.reused == shared - 1, (n, kept.reused, shared)
+        assert kept.tokens == (turn + kept_result.tokens)[: len(kept.tokens)]
+        history = turn + kept_result.tokens
+        if n == 0:  # the next turn: the whole history and a new message
+            turn, shared = [*history, 11, 12, 13], len(kept.tokens)
+        else:  # an edited history: parts from the cached tokens after 4 tokens
+            turn, shared = [*history[:4], 77, 78, 79], 4
+    kept.reset()
+    model.generate(turn, mode=mode, max_new_tokens=3, prefix_cache=kept)
+    assert kept.reused == 0
+
+
+def test_chat_reads_turns_from_stdin(
+    tiny_dir: Path,
+    tiny_ngram_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    one_thread: None,
+) -> None:
+    """Driven through stdin: an empty line does not quit, a trailing backslash continues the
+    message, /paste takes lines up to '.', /reset starts over (nothing reused), the second
+    turn of a conversation reuses the first's caches, /exit quits (later lines unread)."""
+    script = "w5 w6 \\\nw7\n\n/reset\nw9 w10\n/paste\nw11\nw12\n.\n/exit\nw99 w98\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    seen: list[str] = []
+    real_generate = DartModel.generate
+
+    def recorded(self: DartModel, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(prompt)
+        return real_generate(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(DartModel, "generate", recorded)
+    argv = ["chat", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
+            "--ngram", str(tiny_ngram_path), "--template", "chatml", "--tree-budget", "8",
+            "--max-new-tokens", "6", "--stats"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert len(seen) == 3, seen
+    assert "w5 w6 \nw7<|im_end|>" in seen[0]
+    assert "w9 w10<|im_end|>" in seen[1] and "w5" not in seen[1]  # after /reset
+    assert seen[2].startswith(seen[1][: seen[1].rindex("<|im_start|>assistant")])
+    assert "w11\nw12<|im_end|>" in seen[2] and "w99" not in "".join(seen)
+    assert "(new conversation)" in err
+    reused = [int(n) for n in re.findall(r"(\d+) cached prompt tokens reused", err)]
+    assert reused[:2] == [0, 0] and reused[2] > 0, err
