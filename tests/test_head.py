@@ -85,7 +85,7 @@ def published_checkpoint(directory: Path, target: Any, draft_vocab: int = 100) -
 def reference_forward(
     head: DartHead, embed: torch.nn.Module, taps: torch.Tensor, next_ids: torch.Tensor, m: int
 ) -> torch.Tensor:
-    """The head written out as plain math over the whole sequence (no cache), per DESIGN.md."""
+    """The head written out as plain math over the whole sequence (no cache), per docs/design.md."""
     cfg = head.config
     layer = head.midlayer
 

@@ -22,7 +22,8 @@ from dart_client.ngram import (
 
 
 def count_corpus(docs: list[list[int]], order: int, eos: int | None) -> Counter[tuple[int, ...]]:
-    """DESIGN.md section 3 counting: EOS appended, k-grams never cross documents."""
+    """The reference's counting (docs/design.md, "The n-gram model"): EOS appended, k-grams
+    never cross documents."""
     counts: Counter[tuple[int, ...]] = Counter()
     for doc in docs:
         d = [*doc, eos] if eos is not None else list(doc)

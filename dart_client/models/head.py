@@ -1,6 +1,6 @@
 """The DART draft head: one Llama-style layer that predicts ``m + 1`` future tokens at once.
 
-Layout (DESIGN.md section 6, the published ``fvliang/qwen*-dart`` checkpoints):
+Layout (docs/design.md, "The DART head": the published ``fvliang/qwen*-dart`` checkpoints):
 
 * ``fc`` (3H_target -> H, no bias) projects the three tapped target hidden states;
 * a real position t feeds ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(fc(h_t)))``
