@@ -768,8 +768,9 @@ def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
 
     assert main(["no-such-command"]) == 2
     assert main([]) == 2
-    # A DartError becomes a one-line message and exit status 1, not a traceback.
+    # A missing head is a usage error (exit 2), found before the model loads.
     no_ar = [a for a in argv[:-2] if a != "--ar"]
     missing = ["--head", str(tmp_path / "missing"), "--ngram", str(tmp_path / "missing.ngram")]
-    assert main([*no_ar, *missing, "w5"]) == 1
-    assert "error:" in capsys.readouterr().err
+    assert main([*no_ar, *missing, "w5"]) == 2
+    err = capsys.readouterr().err
+    assert "--head" in err and "no such head" in err and "Traceback" not in err
