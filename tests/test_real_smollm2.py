@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import first_divergence, top2_margin
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
 from dart_client.draft import DraftRows
@@ -82,14 +83,6 @@ def hf_greedy(model: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def margin_at(model: Any, ids: list[int]) -> tuple[float, float]:
-    """Top-2 logit margin of the target after ``ids``, and the logits' scale."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1]), float(top[0].abs())
-
-
 def check_near_tie(
     model: Any, ids: list[int], got: list[int], want: list[int], dtype: torch.dtype, label: str
 ) -> tuple[int, float, float] | None:
@@ -97,11 +90,9 @@ def check_near_tie(
     after asserting that the target's top-2 margin there is a numerical near-tie."""
     if got == want:
         return None
-    i = next(
-        (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-        min(len(got), len(want)),
-    )
-    margin, scale = margin_at(model, ids + want[:i])
+    i = first_divergence(got, want)
+    assert i is not None
+    margin, scale = top2_margin(model, ids + want[:i])
     resolution = torch.finfo(dtype).eps * max(scale, 1.0)
     assert margin <= TIE_ULPS[dtype] * resolution, (
         f"{dtype}: {label!r} diverges at token {i} with a top-2 margin of {margin:.4f} "
