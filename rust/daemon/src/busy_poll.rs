@@ -98,7 +98,10 @@ mod tests {
         assert!(inside >= 5, "only {inside} polling rounds in the window");
         tokio::time::advance(window / 2).await;
         yields(10).await;
-        assert!(rounds(&activity) > inside, "stopped polling inside the window");
+        assert!(
+            rounds(&activity) > inside,
+            "stopped polling inside the window"
+        );
 
         // Past the window it sleeps: no round however long nothing arrives.
         tokio::time::advance(window).await;

@@ -100,9 +100,15 @@ impl Lingering {
         }
     }
 
-    /// Restarts the silence timer after bytes moved.
-    fn moved(&mut self) {
-        self.spoke = true;
+    /// Restarts the silence timer after bytes moved: read (`from_client`) or written. Until
+    /// the client has sent something only its bytes count (the server writes its own
+    /// preface at once, which must not extend the handshake timeout).
+    fn moved(&mut self, from_client: bool) {
+        if from_client {
+            self.spoke = true;
+        } else if !self.spoke {
+            return;
+        }
         let at = Instant::now() + self.timeouts.idle;
         // Resetting a timer costs a timer-wheel update: skip it while the deadline is fresh.
         if at.saturating_duration_since(self.silence.deadline()) > Duration::from_millis(100) {
@@ -193,7 +199,7 @@ impl AsyncRead for Lingering {
         match Pin::new(this.stream()).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
-                    this.moved();
+                    this.moved(true);
                 }
                 Poll::Ready(Ok(()))
             }
@@ -215,7 +221,7 @@ impl AsyncWrite for Lingering {
         let this = self.get_mut();
         let polled = Pin::new(this.stream()).poll_write(cx, buf);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.moved();
+            this.moved(false);
         }
         polled
     }
@@ -228,7 +234,7 @@ impl AsyncWrite for Lingering {
         let this = self.get_mut();
         let polled = Pin::new(this.stream()).poll_write_vectored(cx, bufs);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.moved();
+            this.moved(false);
         }
         polled
     }
