@@ -634,7 +634,7 @@ async fn oversized_requests_are_refused_by_their_limit() {
         let err = c
             .prune_batch(proto::PruneBatchRequest {
                 drafts: vec![small.clone(); 4],
-                config: Some(o.clone()),
+                config: Some(o),
             })
             .await
             .unwrap_err();
