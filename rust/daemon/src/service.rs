@@ -191,8 +191,18 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// Returns freed heap memory to the operating system (after a large request).
+/// Returns freed heap memory to the operating system (after a large request). At most once a
+/// second: a trim walks every allocator arena and can take a while on a big heap.
 fn release_memory() {
+    use std::sync::atomic::AtomicU64;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    static LAST_SEC: AtomicU64 = AtomicU64::new(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_SEC.swap(now, Ordering::Relaxed) == now {
+        return;
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks the allocator's own free lists.
     unsafe {
@@ -554,11 +564,12 @@ impl NGramService for Arc<NGramServer> {
                     "client gone or deadline passed: batch abandoned"
                 );
             }
-            if req
+            let large = req
                 .drafts
                 .iter()
-                .any(|d| scored_paths(&pruner, d) > TRIM_ABOVE_PATHS)
-            {
+                .zip(&trees)
+                .any(|(d, t)| t.is_ok() && scored_paths(&pruner, d) > TRIM_ABOVE_PATHS);
+            if large {
                 release_memory();
             }
             trees
@@ -692,6 +703,137 @@ mod tests {
             let err = split_rows(&bad, "contexts").unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument);
             assert!(err.message().starts_with("contexts: "), "{err:?}");
+        }
+    }
+
+    /// Fuzzing the request decoding: whatever bytes arrive as a request body, decoding either
+    /// fails or yields a message every handler answers with a response or a status, never a
+    /// panic, and within the limits (a bounded amount of work).
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+        use prost::Message;
+
+        fn server() -> (tempfile::TempDir, Arc<NGramServer>) {
+            let dir = tempfile::tempdir().unwrap();
+            let model = tiny_model(dir.path());
+            let server = NGramServer::new(
+                model,
+                PrunerConfig::default(),
+                ServiceLimits::default(),
+                Arc::new(Metrics::new()),
+            )
+            .unwrap();
+            (dir, Arc::new(server))
+        }
+
+        /// Runs every handler whose request type `bytes` decode as.
+        fn answer_all(server: &Arc<NGramServer>, bytes: &[u8]) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(m) = proto::ProbRequest::decode(bytes) {
+                    let _ = server.prob(Request::new(m)).await;
+                }
+                if let Ok(m) = proto::CountRequest::decode(bytes) {
+                    let _ = server.count(Request::new(m)).await;
+                }
+                if let Ok(m) = proto::TopKRequest::decode(bytes) {
+                    let _ = server.top_k(Request::new(m)).await;
+                }
+                if let Ok(m) = proto::PruneRequest::decode(bytes) {
+                    let _ = server.prune(Request::new(m)).await;
+                }
+                if let Ok(m) = proto::PruneBatchRequest::decode(bytes) {
+                    let _ = server.prune_batch(Request::new(m)).await;
+                }
+            });
+        }
+
+        fn draft() -> impl Strategy<Value = proto::Draft> {
+            (
+                prop::collection::vec(0u32..12, 0..6),
+                prop::collection::vec(0u32..12, 0..40),
+                prop::collection::vec(-0.5f32..1.5, 0..40),
+                prop_oneof![0u32..8, any::<u32>()],
+                prop_oneof![0u32..8, any::<u32>()],
+                prop::option::of(prop_oneof![0u32..8, any::<u32>()]),
+                prop::collection::vec(0u32..12, 0..10),
+            )
+                .prop_map(
+                    |(context, topk_ids, topk_probs, levels, k, budget, lookup_path)| {
+                        proto::Draft {
+                            context,
+                            topk_ids,
+                            topk_probs,
+                            levels,
+                            k,
+                            budget,
+                            lookup_path,
+                        }
+                    },
+                )
+        }
+
+        fn overrides() -> impl Strategy<Value = Option<proto::PrunerConfig>> {
+            prop::option::of(
+                (
+                    prop::option::of(any::<u32>()),
+                    prop::option::of(any::<u32>()),
+                    prop::option::of(any::<u32>()),
+                    prop::option::of(any::<f64>()),
+                    prop::option::of(any::<u32>()),
+                )
+                    .prop_map(
+                        |(top_k, beam_width, max_nodes, logit_decay, eos_id)| proto::PrunerConfig {
+                            top_k,
+                            beam_width,
+                            max_nodes,
+                            logit_decay,
+                            eos_id,
+                            ..Default::default()
+                        },
+                    ),
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+                let (_dir, server) = server();
+                answer_all(&server, &bytes);
+            }
+
+            /// Valid messages with hostile fields, then the same bytes cut or with a byte
+            /// flipped (wire-level damage inside an otherwise plausible request).
+            #[test]
+            fn hostile_requests_never_panic(
+                drafts in prop::collection::vec(draft(), 0..4),
+                config in overrides(),
+                cut in any::<prop::sample::Index>(),
+                flip in any::<prop::sample::Index>(),
+                bit in 0u8..8,
+            ) {
+                let (_dir, server) = server();
+                let single = proto::PruneRequest {
+                    draft: drafts.first().cloned(),
+                    config,
+                }
+                .encode_to_vec();
+                let batch = proto::PruneBatchRequest { drafts, config }.encode_to_vec();
+                for bytes in [single, batch] {
+                    answer_all(&server, &bytes);
+                    if !bytes.is_empty() {
+                        answer_all(&server, &bytes[..cut.index(bytes.len())]);
+                        let mut flipped = bytes.clone();
+                        flipped[flip.index(bytes.len())] ^= 1 << bit;
+                        answer_all(&server, &flipped);
+                    }
+                }
+            }
         }
     }
 }
