@@ -538,15 +538,20 @@ def test_sigterm_drains_the_request_in_flight_and_exits_zero(
     import queue
     import socket
 
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from dart_client.proto import ngram_pb2
     from dart_client.pruner import Pruner, PrunerConfig
 
     ctx, ids, probs = random_draft(local, np.random.default_rng(5))
     with Daemon(model_path, "--threads", "1") as d:
         channel = grpc.insecure_channel(d.addr)
-        health = health_pb2_grpc.HealthStub(channel)
+        # grpc.health.v1 by hand (two one-field messages): HealthCheckRequest{service},
+        # HealthCheckResponse{status}, NOT_SERVING = 2.
+        service = b"dart.ngram.v1.NGramService"
+        health = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name,
+            response_deserializer=lambda raw: raw[1] if raw[:1] == b"\x08" else 0,
+        )
         prune = channel.stream_unary(
             "/dart.ngram.v1.NGramService/Prune",
             request_serializer=ngram_pb2.PruneRequest.SerializeToString,
@@ -566,10 +571,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_zero(
                 return s.connect_ex(tuple_addr(d.addr)) != 0
 
         assert wait_for(refused, timeout=30), "new connections still accepted while draining"
-        check = health.Check(
-            health_pb2.HealthCheckRequest(service="dart.ngram.v1.NGramService"), timeout=10
-        )
-        assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health(service, timeout=10) == 2, "health is not NOT_SERVING while draining"
         late = channel.unary_unary(
             "/dart.ngram.v1.NGramService/Count",
             request_serializer=ngram_pb2.CountRequest.SerializeToString,
