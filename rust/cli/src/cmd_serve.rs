@@ -141,6 +141,11 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .into());
     }
     for (flag, value) in [
+        ("max-levels", args.max_levels),
+        ("max-k", args.max_k),
+        ("max-beam-width", args.max_beam_width),
+        ("max-nodes", args.max_nodes),
+        ("max-scored-paths", args.max_scored_paths),
         ("max-concurrent", args.max_concurrent),
         ("max-top-k-entries", args.max_top_k_entries),
         ("max-connections", args.max_connections),
