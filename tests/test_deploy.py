@@ -131,6 +131,8 @@ def test_systemd_unit_runs_serve_with_real_flags_and_hardening() -> None:
     if "--lock" in argv:
         assert service["LimitMEMLOCK"] == ["infinity"]
     assert service["KillSignal"] == ["SIGTERM"]
+    # SIGHUP reloads the model (the daemon watches it; by default it would kill the process).
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 

@@ -58,6 +58,8 @@ pub fn pruner_status(err: &PrunerError) -> Status {
         | PrunerError::BadProbability { .. }
         | PrunerError::InvalidArgument(_)
         | PrunerError::NonFiniteScore { .. } => Code::InvalidArgument,
+        PrunerError::LimitExceeded { .. } => Code::ResourceExhausted,
+        PrunerError::Cancelled => Code::Cancelled,
         PrunerError::NGram(inner) => return ngram_status(inner),
         PrunerError::Internal(_) | PrunerError::Scorer(_) => Code::Internal,
     };
