@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval-head": ("dart_client.train.cli:eval_main", "measure a head's acceptance"),
     "demo": ("dart_client.cli:demo_main", "the embedded-default demo (--ui: side-by-side page)"),
     "bench": ("dart_client.bench.cli:main", "benchmark DART against the baselines (dart-bench)"),
+    "serve": ("dart_client.serve.app:serve_main", "an OpenAI-compatible HTTP server"),
 }
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
