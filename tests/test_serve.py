@@ -81,7 +81,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(tmp: Path, *flags: str) -> Server:
+def spawn(tmp: Path, *flags: str) -> Server:
+    """Start ``dart serve`` (fp32, the embedded default) on a free loopback port."""
     port = free_port()
     log = tmp / f"serve-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -103,19 +104,25 @@ def start_server(tmp: Path, *flags: str) -> Server:
         cwd=REPO,
         env=env,
     )
-    url = f"http://127.0.0.1:{port}"
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def ready(server: Server) -> Server:
+    """Wait until the server answers /health."""
     deadline = time.monotonic() + 600  # the first run builds the embedded n-gram
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"dart serve exited {proc.returncode}:\n{log.read_text()}")
+        if server.proc.poll() is not None:
+            raise AssertionError(
+                f"dart serve exited {server.proc.returncode}:\n{server.log.read_text()}"
+            )
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return Server(proc, url, log)
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"dart serve did not come up:\n{log.read_text()}")
+        time.sleep(0.25)
+    server.proc.kill()
+    raise AssertionError(f"dart serve did not come up:\n{server.log.read_text()}")
 
 
 def stop(server: Server) -> None:
@@ -128,23 +135,29 @@ def stop(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("serve"), f"--api-key={API_KEY}", "--max-queue=256")
-    yield s
-    stop(s)
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """Both servers, started together (they load while the first tests run):
+
+    * ``main``: an API key, a queue for the load test;
+    * ``small``: a queue of one, an 8 s timeout, a 3 s shutdown grace, no API key."""
+    tmp = tmp_path_factory.mktemp("serve")
+    started = {
+        "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256"),
+        "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=3"),
+    }
+    yield started
+    for s in started.values():
+        stop(s)
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server with a queue of one, an 8 s timeout and a 3 s shutdown grace, no API key."""
-    s = start_server(
-        tmp_path_factory.mktemp("serve-small"),
-        "--max-queue=1",
-        "--timeout=8",
-        "--shutdown-grace=3",
-    )
-    yield s
-    stop(s)
+def server(servers: dict[str, Server]) -> Server:
+    return ready(servers["main"])
+
+
+@pytest.fixture(scope="module")
+def small(servers: dict[str, Server]) -> Server:
+    return ready(servers["small"])
 
 
 @pytest.fixture(scope="module")

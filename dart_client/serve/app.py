@@ -154,7 +154,6 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        parts: list[str] = []
         try:
             while True:
                 message = await next_message(job, request)
@@ -164,7 +163,6 @@ def create_app(
                     return error_response(message)
                 if isinstance(message, Outcome):
                     return JSONResponse(reply.full(message))
-                parts.append(message.text)
         finally:
             job.cancel()  # a no-op once the job has ended
 
