@@ -40,6 +40,8 @@ from dart_client.serve.protocol import (
 )
 from dart_client.serve.scheduler import Job, JobError, QueueFull, Scheduler, timeout_error
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
 #: How often a waiting request checks that its client is still there.
 POLL_SECONDS = 0.25
 
@@ -75,6 +77,8 @@ def create_app(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         path = request.url.path
+        # Known paths only as label values: a scan of random paths must not grow the metrics.
+        endpoint = path if path in ENDPOINTS else "other"
         if api_key is not None and path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -83,10 +87,10 @@ def create_app(
                         401, "Invalid or missing API key", "authentication_error", "invalid_api_key"
                     )
                 )
-                metrics.request(path, 401)
+                metrics.request(endpoint, 401)
                 return response
         response = await call_next(request)
-        metrics.request(path, response.status_code)
+        metrics.request(endpoint, response.status_code)
         return response
 
     @app.get("/health")

@@ -134,7 +134,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "capped by the target's positions)",
     )
     g.add_argument(
-        "--tree-budget", type=int, default=None, help="draft nodes per step (default: the head's)"
+        "--tree-budget", type=int, default=None, help="draft nodes per step (default: the pruner's)"
     )
 
 
