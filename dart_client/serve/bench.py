@@ -154,6 +154,16 @@ def summary(samples: list[Sample], wall: float) -> dict[str, Any]:
     }
 
 
+def stage_seconds(url: str) -> dict[str, float]:
+    """The server's total step time per stage so far (``dart_serve_step_stage_seconds``)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('dart_serve_step_stage_seconds_sum{stage="'):
+            head, value = line.rsplit(" ", 1)
+            out[head.split('"')[1]] = float(value)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -235,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, speculative in (("dart", True), ("ar", False)):
             # Warm-up: the first requests pay for lazy initialisation.
             asyncio.run(load(url, args.api_key, model, items[:2], 8, 2, speculative))
+            before = stage_seconds(url)
             samples, wall = asyncio.run(
                 load(
                     url,
@@ -247,6 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             report[name] = summary(samples, wall)
+            after = stage_seconds(url)
+            # Where the worker's time went (seconds over the whole run, per stage).
+            report[name]["stage_seconds"] = {
+                k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
+            }
             texts[name] = [s.text for s in samples]
             print(name, json.dumps(report[name]), file=sys.stderr)
         report["identical_outputs"] = sum(
