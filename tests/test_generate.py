@@ -374,8 +374,10 @@ def test_incremental_text_special_step_between_words() -> None:
     inc = generate_module.IncrementalText(WORD_TOKENIZER)
     assert inc.update([5]) == "w5"
     assert inc.update([5, TINY_EOS]) == "w5"
-    assert inc.update([5, TINY_EOS, 7]) == "w5 w7" == WORD_TOKENIZER.decode(
-        [5, TINY_EOS, 7], skip_special_tokens=True
+    assert (
+        inc.update([5, TINY_EOS, 7])
+        == "w5 w7"
+        == WORD_TOKENIZER.decode([5, TINY_EOS, 7], skip_special_tokens=True)
     )
 
 
