@@ -443,6 +443,20 @@ def test_full_queue_is_429_and_a_disconnect_cancels(small: Server) -> None:
     wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 1)
 
 
+def test_a_non_streamed_request_is_dropped_when_its_client_leaves(small: Server) -> None:
+    body = {
+        "model": "dart-smollm2-135m-instruct",
+        "prompt": COUNTING,
+        "max_tokens": 400,
+        "temperature": 0,
+        "speculative": False,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(small.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+    wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 2, 10)
+    assert small.metric("dart_serve_requests_total", status="499") == 1
+
+
 def test_timeout_is_a_504_and_the_worker_moves_on(small: Server) -> None:
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError) as err:

@@ -17,7 +17,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dart_client.errors import DartError
 from dart_client.serve.generation import Engine, Outcome, Step
@@ -51,10 +52,6 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="dart serve", docs_url=None, redoc_url=None)
 
-    def error_response(err: JobError) -> JSONResponse:
-        headers = {"Retry-After": str(err.retry_after)} if isinstance(err, QueueFull) else None
-        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
-
     @app.exception_handler(JobError)
     async def _job_error(_: Request, err: JobError) -> JSONResponse:
         return error_response(err)
@@ -72,26 +69,7 @@ def create_app(
     async def _dart_error(_: Request, err: DartError) -> JSONResponse:
         return error_response(bad_request(str(err)))
 
-    @app.middleware("http")
-    async def _auth_and_count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        # Known paths only as label values: a scan of random paths must not grow the metrics.
-        endpoint = path if path in ENDPOINTS else "other"
-        if api_key is not None and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                response: Response = error_response(
-                    JobError(
-                        401, "Invalid or missing API key", "authentication_error", "invalid_api_key"
-                    )
-                )
-                metrics.request(endpoint, 401)
-                return response
-        response = await call_next(request)
-        metrics.request(endpoint, response.status_code)
-        return response
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -158,6 +136,7 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
+        checked = time.monotonic()
         try:
             while True:
                 message = await next_message(job, request)
@@ -167,6 +146,12 @@ def create_app(
                     return error_response(message)
                 if isinstance(message, Outcome):
                     return JSONResponse(reply.full(message))
+                # Steps keep coming: look at the connection every POLL_SECONDS all the same.
+                if time.monotonic() - checked >= POLL_SECONDS:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return Response(status_code=499)
         finally:
             job.cancel()  # a no-op once the job has ended
 
@@ -210,6 +195,47 @@ def create_app(
             job.cancel()
 
     return app
+
+
+def error_response(err: JobError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if isinstance(err, QueueFull) else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+class AuthAndCount:
+    """ASGI middleware: the API key on ``/v1/``, and requests counted by endpoint and status.
+
+    A plain ASGI middleware (not ``@app.middleware``): the endpoints then read the client's
+    own ``receive``, so a waiting non-streamed request sees its client disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        # Known paths only as label values: a scan of random paths must not grow the metrics.
+        endpoint = path if path in ENDPOINTS else "other"
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.request(endpoint, 401)
+                denied = JobError(
+                    401, "Invalid or missing API key", "authentication_error", "invalid_api_key"
+                )
+                await error_response(denied)(scope, receive, send)
+                return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def sse(payload: dict[str, Any]) -> str:
