@@ -93,7 +93,7 @@ def dockerfile_image(dockerfile: Path = DOCKERFILE) -> str:
 @cache
 def serve_flags() -> frozenset[str]:
     """The long flags of ``dart serve`` (its real argument parser)."""
-    app = pytest.importorskip("dart_client.serve.app", reason="needs the `serve` extra")
+    app = pytest.importorskip("dart_client.apps.serve.app", reason="needs the `serve` extra")
     parser = app.build_parser()
     return frozenset(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
 
@@ -380,7 +380,7 @@ def test_worker_dockerfile_builds_the_package_the_deployment_runs() -> None:
     assert re.search(r'^name = "dart-client"$', pyproject, re.M)
     assert re.search(r"^serve = \[", pyproject, re.M), "the `serve` extra the image installs"
     assert "[serve,gguf]" in text
-    assert re.search(r'^dart = "dart_client\.cli:main"$', pyproject, re.M)
+    assert re.search(r'^dart = "dart_client\.apps\.cli:main"$', pyproject, re.M)
     entry = next(line for line in lines if line.startswith("ENTRYPOINT"))
     assert entry.endswith('["dart"]')
     exposed = {int(p) for line in lines if line.startswith("EXPOSE ") for p in line.split()[1:]}

@@ -131,7 +131,7 @@ def test_sharded_build_and_merge_equal_one_whole_build(pipeline: dict) -> None:
 
 
 def test_the_daemon_serving_the_merged_model_prunes_as_in_process(pipeline: dict) -> None:
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram import Pruner, PrunerConfig
 
     local = NGram.open(pipeline["merged"])
     rng = np.random.default_rng(1)

@@ -91,7 +91,7 @@ def spawn(tmp: Path, *flags: str) -> Server:
         [
             sys.executable,
             "-m",
-            "dart_client.cli",
+            "dart_client.apps.cli",
             "serve",
             "--dtype=fp32",
             f"--port={port}",
@@ -165,7 +165,7 @@ def reference() -> Any:
     """The target alone (fp32), loaded in-process the way `dart generate --ar` loads it."""
     import torch
 
-    from dart_client.cli import build_model
+    from dart_client.dart_model import build_model
 
     torch.set_num_threads(1)
     return build_model(None, None, None, dtype="fp32", ar=True)
@@ -174,7 +174,7 @@ def reference() -> Any:
 def greedy(model: Any, max_tokens: int, **inputs: Any) -> Any:
     from dart_client import ar_generate
 
-    return ar_generate(model, temperature=0.0, max_new_token_num=max_tokens, **inputs)
+    return ar_generate(model, temperature=0.0, max_new_tokens=max_tokens, **inputs)
 
 
 def chat_messages(question: str) -> list[dict[str, str]]:
