@@ -69,10 +69,13 @@ class NGram(_native.NGram):
         lock: bool = False,
         huge_pages: bool = False,
         in_memory: bool = False,
+        checksums: bool = True,
     ) -> NGram:
-        """Maps a model file and checks its header (O(1), no RAM beyond pages touched).
+        """Maps a model file and checks it: header, section table and every section's
+        checksum (one read of the file; ``checksums=False`` checks only the header, the section
+        table and the small sections every query reads, for models too large to read at open).
 
-        ``verify`` also checks every section checksum and invariant (reads the whole file);
+        ``verify`` also checks every invariant (a full scan);
         ``populate`` reads it into the page cache now; ``lock`` pins it in RAM (mlock);
         ``huge_pages`` advises transparent huge pages; ``in_memory`` copies the file into
         anonymous memory on huge pages instead of mapping it (RAM for the whole model; random
@@ -85,6 +88,7 @@ class NGram(_native.NGram):
             lock=lock,
             huge_pages=huge_pages,
             in_memory=in_memory,
+            checksums=checksums,
         )
 
     def prob(

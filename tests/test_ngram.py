@@ -189,6 +189,23 @@ def test_bad_ids(small: tuple[NGram, Counter[tuple[int, ...]]]) -> None:
         ng.count([1, 2, 3, 4])
 
 
+def test_huge_k_is_refused_before_allocating(
+    small: tuple[NGram, Counter[tuple[int, ...]]],
+) -> None:
+    """k beyond the vocabulary, or rows x k beyond the answer cap, is a clear error (it used
+    to abort the process allocating rows x k answers)."""
+    ng, _ = small
+    for k in (9, 10**9):
+        with pytest.raises(NGramError, match="exceeds the vocabulary size 8"):
+            ng.top_k_batch([[1], [2]], k)
+        with pytest.raises(NGramError, match="exceeds the vocabulary size 8"):
+            ng.top_k([1], k)
+    with pytest.raises(NGramError, match="split the batch"):
+        ng.top_k_batch(np.ones((2**24, 1), dtype=np.int64), 8)
+    ids, probs = ng.top_k_batch([[1], [2]], 8)  # k = vocabulary size is fine
+    assert ids.shape == probs.shape == (2, 8)
+
+
 def test_bad_files(tmp_path: Path) -> None:
     path, _ = write(tmp_path, DOCS, 3, 8)
     data = path.read_bytes()
