@@ -29,6 +29,7 @@ pub mod format;
 pub mod key;
 pub mod merge;
 pub mod model;
+pub mod scratch;
 pub mod writer;
 
 #[cfg(test)]

@@ -39,9 +39,7 @@ pub fn to_py(err: dart_ngram::NGramError) -> PyErr {
         E::NotAModel { .. }
         | E::UnsupportedVersion { .. }
         | E::Corrupt { .. }
-        | E::Changed { .. } => {
-            CorruptModelError::new_err(msg)
-        }
+        | E::Changed { .. } => CorruptModelError::new_err(msg),
         E::TokenizerMismatch { .. } => TokenizerMismatchError::new_err(msg),
         E::TokenOutOfVocab { .. } => TokenOutOfVocabError::new_err(msg),
         E::Io { .. }
