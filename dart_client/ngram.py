@@ -1,10 +1,11 @@
 """The n-gram model: exact backoff probabilities, counts and top continuations.
 
-``NGram`` maps a ``.ngram`` file (written by ``dart-ngram build``/``merge``/``import-dart``) in
-O(1) and answers queries in place; the work runs in Rust with the GIL released. Probabilities
-follow the reference's semantics: for a candidate ``c`` after a context, the context is its
-last ``order - 1`` tokens; the longest suffix ``s`` of it such that ``s + c`` was seen gives
-``count(s + c) / count(s)`` and ``matched = len(s)``; if none, ``p = 0`` and ``matched = 0``.
+``NGram`` maps a ``.ngram`` file (written by ``dart-ngram build``/``merge``/``import-dart``),
+checks it (header and every section checksum by default) and answers queries in place; the work
+runs in Rust with the GIL released. Probabilities follow the reference's semantics: for a
+candidate ``c`` after a context, the context is its last ``order - 1`` tokens; the longest
+suffix ``s`` of it such that ``s + c`` was seen gives ``count(s + c) / count(s)`` and ``matched
+= len(s)``; if none, ``p = 0`` and ``matched = 0``.
 No unigram level, no smoothing.
 
 Errors are ``NGramError`` (a ``ValueError``) or one of its subclasses:

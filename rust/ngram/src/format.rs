@@ -3,7 +3,7 @@
 //!
 //! Parsing checks the magic, the version, the header checksum and that every section lies
 //! inside the file with exactly the size its counts imply. That is O(order), never a scan of
-//! the data: full section checksums are [`crate::model::NGramModel::verify`]'s job.
+//! the data: section checksums are checked by [`crate::model::NGramModel`]'s open.
 
 use std::path::Path;
 

@@ -1,6 +1,7 @@
 //! DART's n-gram engine.
 //!
-//! * [`model::NGramModel`] opens a `.ngram` file with `mmap` in O(1) and answers
+//! * [`model::NGramModel`] opens a `.ngram` file with `mmap` (checking its header and,
+//!   by default, every section checksum: one read of the file) and answers
 //!   `P(c | context)` (longest-context backoff, DESIGN.md section 3), raw counts and top-K
 //!   continuations without copying anything out of the file.
 //! * [`merge`] adds models built from disjoint shards of a corpus.

@@ -1,7 +1,8 @@
 //! [`NGramModel`]: a `.ngram` file mapped into memory and queried in place.
 //!
-//! Opening reads and checks the header only (O(order), no scan, no RAM beyond the pages
-//! touched). Queries walk the CSR levels: a context is located once per suffix length, then
+//! Opening checks the header and section table (O(order)) and, by default, every section's
+//! checksum (one sequential read; `skip_checksums` limits that to the small sections, see
+//! [`Integrity`]). Queries walk the CSR levels: a context is located once per suffix length, then
 //! each candidate is looked up among that context's children (sorted by token id): a jump
 //! through the context's child buckets (version 2) to a few entries, then a binary search of
 //! those (one vector compare for 16-bit token columns); `prob_many` runs its candidates'
@@ -287,7 +288,8 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 }
 
 impl NGramModel {
-    /// Maps `path` and checks its header (magic, version, checksum, section bounds): O(1).
+    /// Maps `path` and checks its header (magic, version, checksum, section layout) and every
+    /// section's checksum.
     pub fn open(path: &Path) -> Result<Self> {
         Self::open_with(path, &OpenOptions::default())
     }
