@@ -19,6 +19,7 @@ from dart_client.ngram import (
     TokenizerMismatchError,
     TokenOutOfVocabError,
 )
+from dart_client.pruner import Pruner, PrunerConfig
 
 
 def count_corpus(docs: list[list[int]], order: int, eos: int | None) -> Counter[tuple[int, ...]]:
@@ -226,7 +227,17 @@ def test_bad_files(tmp_path: Path) -> None:
             NGram.open(bad, in_memory=in_memory)
         with pytest.raises(CorruptModelError, match="checksum"):
             NGram.open(bad, verify=True, in_memory=in_memory)
-    NGram.open(bad, checksums=False)  # a top-order section: checked by verify only ...
+    with pytest.raises(CorruptModelError, match="count-values"):  # a count table: always
+        NGram.open(bad, checksums=False)
+    tokens = next(
+        s for s in NGram.open(path).info()["sections"] if s["kind"] == "tokens" and s["order"] == 3
+    )
+    flipped = bytearray(data)
+    flipped[tokens["offset"]] ^= 0x01
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptModelError, match="tokens of order 3 fails its checksum"):
+        NGram.open(bad)
+    NGram.open(bad, checksums=False)  # a large section: then checked by verify only ...
     with pytest.raises(CorruptModelError, match="checksum"):
         NGram.open(bad, checksums=False).verify()
     bad.write_bytes(data + b"\0" * 1000)  # ... junk appended is refused either way
@@ -267,8 +278,13 @@ def test_a_file_rewritten_in_place_fails_clearly(tmp_path: Path) -> None:
     other.replace(path)  # renamed over it: the mapping keeps the old file
     assert mapped.count([1, 2]) == counts[(1, 2)]
     mapped = NGram.open(path)
+    pruner = Pruner(mapped, PrunerConfig(top_k=2, beam_width=2, max_nodes=4))
+    ids, probs = np.array([[3, 4]]), np.array([[0.6, 0.4]], dtype=np.float32)
+    pruner.prune([1, 2], ids, probs)
     with path.open("r+b") as f:  # rewritten in place, as `cp` over it does
         f.truncate(len(data) // 2)
+    with pytest.raises(CorruptModelError, match="modified in place"):
+        pruner.prune([1, 2], ids, probs)
     for query in (
         lambda m: m.count([1, 2]),
         lambda m: m.prob([1, 2], [3]),

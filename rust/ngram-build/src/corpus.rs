@@ -83,7 +83,7 @@ pub fn collect_inputs(paths: &[PathBuf]) -> Result<Vec<InputFile>> {
                     p.display()
                 )));
             }
-        } else if is_model(p) {
+        } else if meta.is_file() && is_model(p) {
             return Err(NGramError::InvalidArgument(format!(
                 "{}: this is a DART n-gram model, not corpus text; give the corpus files",
                 p.display()
@@ -95,8 +95,9 @@ pub fn collect_inputs(paths: &[PathBuf]) -> Result<Vec<InputFile>> {
     Ok(out)
 }
 
-/// Whether `path` starts with the n-gram model magic (an earlier build's output sitting in a
-/// corpus directory is skipped, not read as text).
+/// Whether the regular file `path` starts with the n-gram model magic (an earlier build's
+/// output sitting in a corpus directory is skipped, not read as text). Never called on pipes:
+/// reading them would consume the corpus.
 fn is_model(path: &Path) -> bool {
     use std::io::Read;
     let mut magic = [0u8; 8];
