@@ -33,7 +33,7 @@ native: $(DEPS_STAMP)
 setup: native
 
 demo: setup
-	$(PY) -m dart_client.demo
+	$(PY) -m dart_client.apps.demo
 
 # Debian's chromium drives the demo page's browser test (Playwright never downloads one here).
 system-deps:

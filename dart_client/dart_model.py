@@ -1,9 +1,10 @@
-"""``DartModel``: a target model, its DART head and the n-gram pruner, loaded together."""
+"""``DartModel``: a target model, its DART head and the n-gram pruner, loaded together, and
+its one generation entry point, :meth:`DartModel.generate` (``dart_generate`` and
+``ar_generate`` are thin wrappers kept for existing callers)."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,40 +12,48 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_client.decoding.config import (
+    GenerationConfig,
+    config_from,
+    parse_tree_budget,
+    resolve_tree_budget,
+)
+from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
+from dart_client.decoding.loop import GenerationResult, GenerationStream, generate
+from dart_client.decoding.prune import PrunerTreeBuilder, TreeBuilder, pruner_max_nodes
 from dart_client.errors import (
+    DartError,
     EmptyPromptError,
+    IncompatibleNGramError,
     InvalidArgumentError,
     InvalidTypeError,
-    MissingResourceError,
 )
-from dart_client.generate import (
-    GenerationResult,
-    GenerationStream,
-    PrunerTreeBuilder,
-    TreeBuilder,
-    ar_generate,
-    dart_generate,
+from dart_client.loading import (
+    gguf_unpacked,
+    load_head,
+    load_ngram,
+    load_pruner,
+    load_target,
+    torch_dtype,
 )
-from dart_client.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
 from dart_client.templates import TEMPLATE_REGISTRY, ChatTemplate
+
+__all__ = [
+    "DartModel",
+    "GenerationConfig",
+    "ar_generate",
+    "build_model",
+    "dart_generate",
+    "gguf_unpacked",
+    "load_ngram",
+]
 
 DEFAULT_DRAFT_TOP_K = 25
 
 #: ``prompt_lookup``'s default: on for the pruner's trees, off for a custom tree builder.
 DEFAULT_LOOKUP: Any = "default"
-
-
-def gguf_unpacked() -> dict[str, Any]:
-    """``from_pretrained`` keyword arguments that load a GGUF file's weights unpacked into
-    the requested dtype. transformers' GGUF loader unpacks them anyway; saying so spares users
-    its warning that the weights "stay quantized", which it prints although they do not."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # transformers before GgufConfig: always unpacks, says nothing
-        return {}
-    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 class DartModel:
@@ -53,13 +62,17 @@ class DartModel:
     Build it with :meth:`from_pretrained` (paths or hub ids) or directly from loaded parts:
     ``DartModel(target_model, head, tokenizer=tok, ngram=NGram.open(...))``. ``head`` and
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
-    ``tree_budget`` is the default node budget of ``dart_generate`` (an int, or ``"auto"``:
-    measured on this machine by :mod:`dart_client.autotune`, whose result lands in
-    ``tree_tuning``). ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
-    (:mod:`dart_client.lookup`): a :class:`~dart_client.lookup.PromptLookupConfig`, a path
-    length (``0`` or ``None``: off, the paper's trees). By default it is on when the trees
-    come from the pruner and off otherwise (a custom ``tree_builder`` then receives no
-    ``lookup_path``).
+    ``tree_budget`` is the default node budget of :meth:`generate` (an int, or ``"auto"``:
+    measured on this machine by :meth:`tune`, whose result lands in ``tree_tuning``).
+    ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
+    (:mod:`dart_client.decoding.lookup`): a ``PromptLookupConfig``, a path length (``0`` or
+    ``None``: off, the paper's trees). By default it is on when the trees come from the
+    pruner and off otherwise (a custom ``tree_builder`` then receives no ``lookup_path``).
+
+    The n-gram must come from the target's tokenizer: its tokenizer fingerprint (when it
+    records one) must equal the tokenizer's, and its vocabulary must fit the target's, else
+    :class:`~dart_client.errors.IncompatibleNGramError`. ``check_tokenizer=False`` skips the
+    check (experts: e.g. a tokenizer whose vocabulary was renamed but not renumbered).
     """
 
     def __init__(
@@ -75,14 +88,9 @@ class DartModel:
         template: str | ChatTemplate | None = None,
         tree_budget: int | str | None = None,
         prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
+        check_tokenizer: bool = True,
     ) -> None:
-        if tree_budget not in (None, "auto") and (
-            isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 0
-        ):
-            raise InvalidArgumentError(
-                f"tree_budget must be an int >= 0, 'auto' or None, got {tree_budget!r}"
-            )
-        self.tree_budget = tree_budget
+        self.tree_budget = parse_tree_budget(tree_budget)
         self.tree_tuning: Any = None
         if not isinstance(target, TargetModel):
             target = TargetModel(target, tokenizer)
@@ -98,11 +106,17 @@ class DartModel:
             head.eval()
             head.bind_embedding(target.embedding())
         if pruner is None and ngram is not None:
-            from dart_client.pruner import Pruner, PrunerConfig
+            from dart_client.ngram.pruner import Pruner, PrunerConfig
 
             pruner = Pruner(ngram, pruner_config if pruner_config is not None else PrunerConfig())
         self.ngram = ngram
         self.pruner = pruner
+        if check_tokenizer:
+            check_ngram_compatible(
+                ngram if ngram is not None else getattr(pruner, "ngram", None),
+                self.tokenizer,
+                target.vocab_size,
+            )
         pruner_trees = tree_builder is None and pruner is not None
         if pruner_trees:
             tree_builder = PrunerTreeBuilder(pruner)
@@ -123,7 +137,7 @@ class DartModel:
     @classmethod
     def from_pretrained(
         cls,
-        base_model_name_or_path: str | Path,
+        base_model_name_or_path: str | Path | None,
         dart_model_name_or_path: str | Path | None,
         ngram_model_name_or_path: str | Path | None = None,
         *,
@@ -137,6 +151,7 @@ class DartModel:
         tree_budget: int | str | None = None,
         cpu_kernels: bool = True,
         prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
+        check_tokenizer: bool = True,
         **hf_kwargs: Any,
     ) -> DartModel:
         """Load the target (local path, hub id or a ``.gguf`` file), the head and the n-gram.
@@ -144,42 +159,25 @@ class DartModel:
         The n-gram is a ``.ngram`` file, a directory holding ``full``/``small`` models
         (``is_small_ngram`` picks), a reference ``.trie`` (converted once and cached), or is
         served by the n-gram daemon at ``ngram_server`` (``host:port``). ``tree_budget="auto"``
-        tunes the budget now, at load time (a few seconds: see :mod:`dart_client.autotune`).
+        tunes the budget now, at load time (a few seconds: see
+        :mod:`dart_client.decoding.autotune`).
         ``cpu_kernels``: on the CPU, run the target on the decoding kernels of
         :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
         ``prompt_lookup``: see the class docstring.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        base = Path(base_model_name_or_path)
-        load_kwargs = dict(hf_kwargs)
-        if torch_dtype is not None:
-            load_kwargs["dtype"] = torch_dtype
-        if device_map is not None:
-            load_kwargs["device_map"] = device_map
-        if base.suffix == ".gguf":
-            if not base.is_file():
-                raise MissingResourceError(f"{base}: GGUF file not found")
-            location, tok_kwargs = str(base.parent), {"gguf_file": base.name}
-            load_kwargs["gguf_file"] = base.name
-            if device_map in (None, "cpu") and "quantization_config" not in load_kwargs:
-                # On the CPU the weights are unpacked into torch_dtype (the decoding kernels
-                # repack them for oneDNN).
-                load_kwargs.update(gguf_unpacked())
-        else:
-            location, tok_kwargs = str(base_model_name_or_path), {}
-        tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, **load_kwargs)
-        model.eval()
-        head = None
-        if dart_model_name_or_path is not None:
-            head = DartHead.from_pretrained(
-                dart_model_name_or_path, double_final_norm=double_final_norm
-            )
+        model, tokenizer = load_target(
+            base_model_name_or_path, dtype=torch_dtype, device_map=device_map, **hf_kwargs
+        )
+        head = load_head(
+            dart_model_name_or_path,
+            model.config,
+            embedded_target=base_model_name_or_path is None,
+            double_final_norm=double_final_norm,
+        )
         pruner = None
         ngram = None
         if ngram_server is not None:
-            pruner = _remote_pruner(ngram_server, pruner_config)
+            pruner = load_pruner(ngram_server, pruner_config)
         elif ngram_model_name_or_path is not None:
             ngram = load_ngram(ngram_model_name_or_path, is_small=is_small_ngram)
         dart = cls(
@@ -192,11 +190,10 @@ class DartModel:
             template=template,
             tree_budget=tree_budget,
             prompt_lookup=prompt_lookup,
+            check_tokenizer=check_tokenizer,
         )
-        if tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
-            from dart_client.autotune import auto_budget
-
-            auto_budget(dart)
+        if dart.tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
+            dart.tune()
         return dart
 
     # -- inputs -------------------------------------------------------------------------------
@@ -238,13 +235,190 @@ class DartModel:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
-        """``dart_generate(self, ...)``."""
-        return dart_generate(self, *args, **kwargs)
+    def tune(self, **kwargs: Any) -> int:
+        """The node budget measured fastest on this machine (:mod:`dart_client.decoding.autotune`),
+        tuned once; the result stays in ``tree_tuning``. ``tree_budget="auto"`` resolves here."""
+        from dart_client.decoding.autotune import auto_budget
+
+        return auto_budget(self, **kwargs)
+
+    def resolved_tree_budget(self, call: int | str | None = None) -> int | None:
+        """The node budget a call with ``tree_budget=call`` uses: the call's, else the
+        model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`)."""
+        call = parse_tree_budget(call)
+        model = self.tree_budget
+        if call == "auto" or (call is None and model == "auto"):
+            return self.tune()
+        return resolve_tree_budget(call, model, pruner_max_nodes(self.pruner))
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Any = None,
+        config: GenerationConfig | Mapping[str, Any] | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        input_ids: Any = None,
+        stream: bool = False,
+        mode: str = "dart",
+        **overrides: Any,
+    ) -> GenerationResult | GenerationStream:
+        """Generate from a text ``prompt`` (token ids work too), chat ``messages`` or
+        ``input_ids`` with ``config`` (default :class:`GenerationConfig`), any field of which
+        ``overrides`` replace (``max_new_tokens=64``). ``mode="ar"`` runs the autoregressive
+        baseline on the same path. ``stream=True`` returns a :class:`GenerationStream`."""
+        if isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
+            if input_ids is not None:
+                raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
+            prompt, input_ids = None, prompt
+        config = config_from(config, overrides)
+        if mode == "dart" and self.head is not None and self.tree_builder is not None:
+            config = config.replace(tree_budget=self.resolved_tree_budget(config.tree_budget))
+        else:
+            config = config.replace(tree_budget=None)  # no tree: nothing to resolve
+        return generate(
+            self,
+            config,
+            mode=mode,
+            prompt=prompt,
+            messages=messages,
+            input_ids=input_ids,
+            stream=stream,
+        )
 
     def ar_generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
-        """``ar_generate(self, ...)``."""
-        return ar_generate(self, *args, **kwargs)
+        """``generate(..., mode="ar")``: plain autoregressive decoding."""
+        return self.generate(*args, mode="ar", **kwargs)
+
+
+def dart_generate(
+    model: DartModel,
+    prompt: str | None = None,
+    *,
+    config: GenerationConfig | Mapping[str, Any] | None = None,
+    stream: bool = False,
+    **kwargs: Any,
+) -> GenerationResult | GenerationStream:
+    """``model.generate(prompt, config, **kwargs)``: speculative generation. Kept for existing
+    callers; old keyword names (``max_new_token_num``) work with a deprecation warning."""
+    if model.head is None or model.tree_builder is None:
+        raise InvalidArgumentError(
+            "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
+        )
+    return model.generate(prompt, config, stream=stream, **kwargs)
+
+
+def ar_generate(
+    model: DartModel,
+    prompt: str | None = None,
+    *,
+    config: GenerationConfig | Mapping[str, Any] | None = None,
+    stream: bool = False,
+    **kwargs: Any,
+) -> GenerationResult | GenerationStream:
+    """``model.generate(prompt, config, mode="ar", **kwargs)``: autoregressive decoding on the
+    same target path (``tree_budget`` is ignored)."""
+    return model.generate(prompt, config, stream=stream, mode="ar", **kwargs)
+
+
+def build_model(
+    base: str | None,
+    head: str | None,
+    ngram: str | None,
+    *,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    template: str = "auto",
+    small_ngram: bool = False,
+    ngram_server: str | None = None,
+    ar: bool = False,
+    cpu_kernels: bool = True,
+    prompt_lookup: int = 8,
+    tree_budget: int | str | None = None,
+    notes: list[str] | None = None,
+) -> DartModel:
+    """The DartModel that command-line options describe (the CLIs, bench and UI load through
+    here): a target (None = the embedded SmolLM2), a head (directory, ``"random"`` or
+    ``"auto"``) and an n-gram (a path, ``"embedded"``, or a daemon address in
+    ``ngram_server``); ``prompt_lookup``: the longest prompt-lookup path merged into each tree
+    (0 = off); ``template``: ``auto`` (the tokenizer's), ``none`` or a registry name. ``ar``
+    loads the target only. Notes on what was chosen go to ``notes`` (else stderr)."""
+    from dart_client.devices import check_device
+
+    if device != "auto":  # device_map="auto" lets accelerate place the layers
+        check_device(device)
+    if template not in ("auto", "none"):
+        TEMPLATE_REGISTRY[template]  # an unknown name fails before the load
+    if not ar:
+        if head is None:
+            raise DartError("pass --head DIR (or --head random for an untrained head), or use --ar")
+        if not ngram and not ngram_server:
+            raise DartError("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
+    target, tokenizer = load_target(
+        base,
+        dtype=torch_dtype(dtype),
+        device_map=None if device == "cpu" else device,
+    )
+    target_model = TargetModel(target, tokenizer, cpu_kernels=cpu_kernels)
+    chosen: str | ChatTemplate | None = None
+    if template == "auto":
+        chosen = None
+    elif template != "none":
+        chosen = TEMPLATE_REGISTRY[template]
+    if ar:
+        model = DartModel(target_model, tokenizer=tokenizer, template=chosen)
+        if template == "none":
+            model.template = None
+        return model
+    pruner = None
+    ngram_model = None
+    if ngram_server:
+        pruner = load_pruner(ngram_server, None)
+    else:
+        assert ngram is not None
+        ngram_model = load_ngram(ngram, is_small=small_ngram)
+    model = DartModel(
+        target_model,
+        load_head(head, target_model.config, embedded_target=base is None, notes=notes),
+        tokenizer=tokenizer,
+        ngram=ngram_model,
+        pruner=pruner,
+        template=chosen,
+        prompt_lookup=prompt_lookup,
+        tree_budget=tree_budget,
+    )
+    if template == "none":
+        model.template = None
+    return model
+
+
+def check_ngram_compatible(ngram: Any, tokenizer: Any, target_vocab: int) -> None:
+    """Raises :class:`IncompatibleNGramError` when ``ngram`` was built for another tokenizer
+    (fingerprints differ) or its vocabulary does not fit the target's. An n-gram that records
+    no tokenizer (built from token ids) is checked by its vocabulary size only."""
+    if ngram is None:
+        return
+    vocab = getattr(ngram, "vocab_size", None)
+    where = getattr(ngram, "path", None) or getattr(ngram, "url", None) or "the n-gram model"
+    if vocab is not None and int(vocab) > target_vocab:
+        raise IncompatibleNGramError(
+            f"{where} has a vocabulary of {vocab} tokens, more than the target's {target_vocab}: "
+            "it was built for another tokenizer (pass check_tokenizer=False to override)"
+        )
+    recorded = str(getattr(ngram, "fingerprint", "") or "")
+    if tokenizer is None or not recorded or set(recorded) <= {"0"}:
+        return
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return
+    from dart_client.ngram.build import hf_tokenizer_fingerprint
+
+    actual = hf_tokenizer_fingerprint(tokenizer)
+    if actual != recorded:
+        raise IncompatibleNGramError(
+            f"{where} was built with tokenizer {recorded[:16]}..., but the target's tokenizer "
+            f"is {actual[:16]}...: its probabilities would be noise for this model (rebuild it "
+            "with this tokenizer, or pass check_tokenizer=False to override)"
+        )
 
 
 def _float_dtype(target: TargetModel) -> torch.dtype:
@@ -283,55 +457,3 @@ def _as_ids(input_ids: Any, vocab_size: int) -> list[int]:
             f"input_ids contain {bad[:5]}, outside the target vocabulary [0, {vocab_size})"
         )
     return ids
-
-
-def load_ngram(path: str | Path, *, is_small: bool = False) -> Any:
-    """Open an n-gram model: ``.ngram`` file, ``full``/``small`` directory, ``.trie``, hub id."""
-    from dart_client.ngram import NGram
-
-    p = Path(path)
-    name = "small" if is_small else "full"
-    if p.is_dir():
-        for candidate in (p / f"{name}.ngram", p / f"{name}.trie"):
-            if candidate.is_file():
-                p = candidate
-                break
-        else:
-            raise MissingResourceError(f"{path}: no {name}.ngram or {name}.trie in this directory")
-    elif not p.exists():
-        text = str(path)
-        if text.count("/") != 1 or text.startswith((".", "/", "~")):
-            raise MissingResourceError(f"{path}: no such n-gram model")
-        try:
-            from huggingface_hub import hf_hub_download
-
-            p = Path(hf_hub_download(text, f"{name}.trie"))
-        except Exception as err:  # hub errors vary by version; report what happened
-            raise MissingResourceError(
-                f"{path}: not a local n-gram model, and downloading {name}.trie failed ({err})"
-            ) from None
-    if p.suffix == ".trie":
-        p = _converted_trie(p)
-    return NGram.open(str(p))
-
-
-def _converted_trie(trie: Path) -> Path:
-    """Convert a reference ``.trie`` once; later loads reuse the cached ``.ngram``."""
-    from dart_client.embedded import cache_dir
-    from dart_client.ngram_build import import_dart
-
-    stat = trie.stat()
-    key = hashlib.sha256(f"{trie.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    out = cache_dir() / "imported" / f"{trie.stem}-{key[:16]}.ngram"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        import_dart(str(trie), str(out))
-    return out
-
-
-def _remote_pruner(address: str, pruner_config: Any) -> Any:
-    """A pruner served by the n-gram daemon (``grpc://host:port``; a bare host:port works)."""
-    from dart_client.remote import connect
-
-    url = address if "://" in address else f"grpc://{address}"
-    return connect(url).pruner(pruner_config)

@@ -48,3 +48,8 @@ class UnknownTemplateError(DartError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class IncompatibleNGramError(DartError, ValueError):
+    """An n-gram model was built for another tokenizer than the target's (fingerprint or
+    vocabulary differ)."""

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dart_client import local_daemon
-from dart_client.local_daemon import LocalDaemon
+from dart_client.ngram import daemon as local_daemon
+from dart_client.ngram.daemon import LocalDaemon
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def dart_ngram_binary() -> Path:
-    """The ``dart-ngram`` binary (see :func:`dart_client.local_daemon.dart_ngram_binary`)."""
+    """The ``dart-ngram`` binary (see :func:`dart_client.ngram.daemon.dart_ngram_binary`)."""
     found = local_daemon.dart_ngram_binary()
     if found is None:
         pytest.fail(

@@ -139,7 +139,7 @@ def tiny_ngram_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-gram over random token documents in the tiny vocabulary (built with the real builder)."""
     import numpy as np
 
-    ngram_build = pytest.importorskip("dart_client.ngram_build")
+    ngram_build = pytest.importorskip("dart_client.ngram.build")
     root = tmp_path_factory.mktemp("tiny-ngram")
     rng = np.random.default_rng(7)
     docs = root / "docs.jsonl"

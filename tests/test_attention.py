@@ -166,8 +166,8 @@ def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly() -> None:
     from conftest import make_tiny_tokenizer
 
     from dart_client import DartModel, ar_generate, dart_generate
+    from dart_client.decoding.verify import Tree
     from dart_client.models.head import DartHead
-    from dart_client.verify import Tree
 
     model = make_tiny_target("qwen3", dtype=torch.bfloat16, seed=13)
     head = DartHead.random_init(model.config, draft_length=3, seed=2).to(torch.bfloat16)
@@ -182,8 +182,8 @@ def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly() -> None:
     dm.tree_builder = Greedy()
     for seed in range(4):
         ids = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(seed))
-        got = dart_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
-        want = ar_generate(dm, input_ids=ids.tolist(), max_new_token_num=40)
+        got = dart_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
+        want = ar_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
         assert got.tokens == want.tokens
 
 

@@ -16,18 +16,18 @@ import pytest
 from conftest import TINY_VOCAB, make_tiny_target
 
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.autotune import (
+from dart_client.decoding.autotune import (
     TreeBudgetTuning,
     _Calibration,
     _Clock,
     auto_budget,
     autotune,
-    parse_tree_budget,
 )
-from dart_client.draft import DraftRows
+from dart_client.decoding.config import parse_tree_budget
+from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.verify import Tree
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.head import DartHead
-from dart_client.verify import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,14 +85,14 @@ def test_replay_equals_generation_with_the_real_pruner(
         cal = _Calibration(dm, prompt, 20, clock)
         for budget in (1, 3, 10, 40):
             lengths, _ = cal.replay(budget)
-            got = dart_generate(dm, input_ids=prompt, max_new_token_num=20, tree_budget=budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_tokens=20, tree_budget=budget)
             assert lengths == got.accept_lengths[1:], (prompt, budget)
 
 
 def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: DartHead) -> None:
     base = DartModel(target)
     ps = prompts(3, seed=2)
-    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=30).tokens for p in ps]
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=30).tokens for p in ps]
     builder = PlantedBuilder(truths)
     dm = DartModel(target, head, tree_builder=builder)
     clock = _Clock(dm.target.device)
@@ -102,7 +102,7 @@ def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: Dar
         for prompt in ps:
             cal = _Calibration(dm, prompt, 30, clock)
             lengths, seconds = cal.replay(budget)
-            got = dart_generate(dm, input_ids=prompt, max_new_token_num=30, tree_budget=budget)
+            got = dart_generate(dm, input_ids=prompt, max_new_tokens=30, tree_budget=budget)
             assert lengths == got.accept_lengths[1:], (prompt, budget)
             assert got.tokens == truths[ps.index(prompt)][len(prompt) :]
             assert 0 < len(seconds) <= len(lengths)
@@ -117,7 +117,7 @@ def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: Dar
 def test_autotune_curve_and_choice(target: Any, head: DartHead) -> None:
     base = DartModel(target)
     ps = prompts(2, seed=4)
-    truths = [p + ar_generate(base, input_ids=p, max_new_token_num=24).tokens for p in ps]
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
     dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
     tuning = autotune(
         dm, prompts=ps, budgets=(13, 2, 9), continuation_tokens=24, context_tokens=32, repeats=2
@@ -149,14 +149,14 @@ def test_auto_budget_is_tuned_once_and_used_by_generation(
     dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), tree_budget="auto")
     assert dm.tree_tuning is None
     prompt = prompts(1, seed=6)[0]
-    got = dart_generate(dm, input_ids=prompt, max_new_token_num=12)
+    got = dart_generate(dm, input_ids=prompt, max_new_tokens=12)
     tuning = dm.tree_tuning
     assert tuning is not None
     assert max(got.tree_sizes[1:]) <= tuning.best_budget + 1
-    assert got.tokens == ar_generate(dm, input_ids=prompt, max_new_token_num=12).tokens
+    assert got.tokens == ar_generate(dm, input_ids=prompt, max_new_tokens=12).tokens
     # Cached: a second call does not tune again.
     assert auto_budget(dm) == tuning.best_budget and dm.tree_tuning is tuning
-    explicit = dart_generate(dm, input_ids=prompt, max_new_token_num=12, tree_budget="auto")
+    explicit = dart_generate(dm, input_ids=prompt, max_new_tokens=12, tree_budget="auto")
     assert explicit.tokens == got.tokens
 
 
@@ -170,7 +170,7 @@ def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> Non
         autotune(dm, budgets=(4, 0))
     with pytest.raises(InvalidArgumentError, match="continuation_tokens"):
         autotune(dm, continuation_tokens=1)
-    with pytest.raises(InvalidArgumentError, match="tree_budget must be"):
+    with pytest.raises(InvalidArgumentError, match="tree budget 'big'"):
         DartModel(target, head, tree_budget="big")
     assert parse_tree_budget("auto") == "auto"
     assert parse_tree_budget("AUTO") == "auto"

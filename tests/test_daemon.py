@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from dart_client import _native
 from dart_client.ngram import NGram, TokenizerMismatchError, TokenOutOfVocabError, connect
-from dart_client.remote import (
+from dart_client.ngram.remote import (
     DaemonError,
     DaemonOverloadedError,
     DaemonUnavailableError,
@@ -199,7 +199,7 @@ def test_prob_matches_local_for_any_ids(
 
 
 def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NGram) -> None:
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     rng = np.random.default_rng(2)
     configs = [
@@ -243,7 +243,7 @@ def test_answers_are_the_same_whether_a_call_polls_or_sleeps(
     """A call polls for its answer for up to `spin` seconds, then sleeps: a prune (hundreds of
     microseconds) ends within the longest spin, past the shortest, and at once sleeps with 0;
     a deadline shorter than the spin still fires."""
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     rng = np.random.default_rng(11)
     local_pruner = Pruner(local, PrunerConfig())
@@ -292,7 +292,7 @@ def run_clients(client: Callable[[int], None], seeds: int) -> None:
 
 
 def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: NGram) -> None:
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     rng = np.random.default_rng(3)
     drafts = [random_draft(local, rng) for _ in range(40)]
@@ -316,7 +316,7 @@ def test_several_concurrent_clients_get_correct_answers(daemon: Daemon, local: N
 def test_one_client_shared_by_threads_gets_correct_answers(
     remote: RemoteNGram, local: NGram
 ) -> None:
-    from dart_client.pruner import Pruner, PrunerConfig
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     rng = np.random.default_rng(6)
     drafts = [random_draft(local, rng) for _ in range(24)]
@@ -339,7 +339,7 @@ def test_one_client_shared_by_threads_gets_correct_answers(
 def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
     daemon: Daemon, remote: RemoteNGram, local: NGram
 ) -> None:
-    from dart_client.pruner import PrunerConfig
+    from dart_client.ngram.pruner import PrunerConfig
 
     v = local.vocab_size
     with pytest.raises(TokenOutOfVocabError, match=str(v + 5)) as exc:
@@ -402,7 +402,7 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(
 def test_ids_that_do_not_fit_the_wire_are_refused_before_sending(
     remote: RemoteNGram, local: NGram
 ) -> None:
-    from dart_client.pruner import PrunerConfig
+    from dart_client.ngram.pruner import PrunerConfig
 
     with pytest.raises(RemoteInvalidArgumentError, match=r"candidates\[0\]\[1\] = -3"):
         remote.prob([1, 2], [4, -3])
@@ -530,7 +530,7 @@ def test_a_client_killed_mid_call_leaves_the_daemon_healthy(
 def test_sigterm_drains_the_request_in_flight_and_exits_zero(
     model_path: Path, local: NGram
 ) -> None:
-    from dart_client.pruner import PrunerConfig
+    from dart_client.ngram.pruner import PrunerConfig
 
     rng = np.random.default_rng(5)
     n = 4000

@@ -1,4 +1,4 @@
-"""The committed gRPC modules in dart_client/proto/ are exactly what the .proto generates, and
+"""The committed gRPC modules in dart_client/ngram/proto/ are exactly what the .proto generates, and
 the client's configuration message covers every pruner setting."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dart_client import protogen
+from dart_client.ngram import protogen
 
 
 def test_regenerating_the_proto_modules_yields_the_committed_files(tmp_path: Path) -> None:
@@ -18,12 +18,12 @@ def test_regenerating_the_proto_modules_yields_the_committed_files(tmp_path: Pat
     for path in written:
         committed = protogen.OUT_DIR / path.name
         assert committed.read_text() == path.read_text(), (
-            f"{committed} is stale: run `python -m dart_client.protogen`"
+            f"{committed} is stale: run `python -m dart_client.ngram.protogen`"
         )
 
 
 def test_generated_grpc_module_imports_from_the_package() -> None:
-    from dart_client.proto import ngram_pb2, ngram_pb2_grpc
+    from dart_client.ngram.proto import ngram_pb2, ngram_pb2_grpc
 
     text = (protogen.OUT_DIR / "ngram_pb2_grpc.py").read_text()
     assert "from dart.ngram" not in text
@@ -41,8 +41,8 @@ def test_generated_grpc_module_imports_from_the_package() -> None:
 
 
 def test_every_pruner_setting_travels_to_the_daemon() -> None:
-    from dart_client.proto import ngram_pb2
-    from dart_client.pruner import PrunerConfig
+    from dart_client.ngram.proto import ngram_pb2
+    from dart_client.ngram.pruner import PrunerConfig
 
     wire = set(ngram_pb2.PrunerConfig.DESCRIPTOR.fields_by_name)
     assert {f.name for f in fields(PrunerConfig)} == wire

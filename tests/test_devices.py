@@ -33,9 +33,8 @@ def test_a_missing_gpu_is_named() -> None:
 def test_commands_reject_a_bad_device_before_loading(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dart_client.cli import main as dart_main
-    from dart_client.train.cli import train_main
-    from dart_client.train.regenerate import main as regenerate_main
+    from dart_client.apps.cli import main as dart_main
+    from dart_client.apps.train import regenerate_main, train_main
 
     out = tmp_path / "regen.jsonl"
     assert regenerate_main(["--output", str(out), "--device", "bogus"]) == 2

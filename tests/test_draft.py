@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dart_client.draft import draft_rows, top_k_rows
+from dart_client.decoding.draft import draft_rows, top_k_rows
 from dart_client.models.head import DartHead
-from dart_client.pruner import PrunerError
+from dart_client.ngram.pruner import PrunerError
 
 
 def reference_top_k(logits: np.ndarray, k: int) -> np.ndarray:

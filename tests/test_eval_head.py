@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, make_tiny_target, make_tiny_tokenizer
 
-from dart_client.draft import draft_rows
+from dart_client.apps.train import eval_main
+from dart_client.decoding.draft import draft_rows
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
-from dart_client.train.cli import eval_main
 from dart_client.train.eval import evaluate_head
 
 CHAT_TEMPLATE = (

@@ -21,10 +21,12 @@ from conftest import TINY_EOS, TINY_VOCAB, make_tiny_target, make_tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dart_client.generate as generate_module
+import dart_client.decoding.loop as generate_module
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.accept import Acceptance, accept_sampling
-from dart_client.draft import DraftRows
+from dart_client.decoding.accept import Acceptance, accept_sampling
+from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.sampling import SamplingParams, target_probs
+from dart_client.decoding.verify import Tree
 from dart_client.errors import (
     ContextTooLongError,
     DartError,
@@ -34,8 +36,6 @@ from dart_client.errors import (
     InvalidTypeError,
 )
 from dart_client.models.head import DartHead
-from dart_client.sampling import SamplingParams, target_probs
-from dart_client.verify import Tree
 
 ARCHS = ("llama", "qwen3")
 WORD_TOKENIZER = make_tiny_tokenizer()
@@ -128,7 +128,7 @@ def test_greedy_matches_ar_and_transformers_with_pruner(
     heads: dict[str, DartHead],
     tiny_ngram_path: Any,
 ) -> None:
-    pytest.importorskip("dart_client.pruner")
+    pytest.importorskip("dart_client.ngram.pruner")
     from dart_client.ngram import NGram
 
     model = targets[arch]
@@ -144,8 +144,8 @@ def test_greedy_matches_ar_and_transformers_with_pruner(
     for i, (prompt, budget) in enumerate(cases):
         max_new = [1, 7, 30][i % 3]
         want = hf_greedy(model, prompt, max_new_tokens=max_new)
-        got = dart_generate(dm, input_ids=prompt, max_new_token_num=max_new, tree_budget=budget)
-        ar = ar_generate(dm, input_ids=prompt, max_new_token_num=max_new)
+        got = dart_generate(dm, input_ids=prompt, max_new_tokens=max_new, tree_budget=budget)
+        ar = ar_generate(dm, input_ids=prompt, max_new_tokens=max_new)
         assert got.tokens == want, f"case {i}: prompt {prompt}, budget {budget}"
         assert ar.tokens == want
         assert len(got.tokens) <= max_new
@@ -175,7 +175,7 @@ def test_greedy_oracle_trees_accept_long_runs(
         oracle = OracleTree(want, seed=i)
         dm = DartModel(model, heads[arch], tree_builder=oracle)
         got = run_oracle(
-            dm, oracle, input_ids=prompt, max_new_token_num=max_new, tree_budget=[None, 4, 9][i % 3]
+            dm, oracle, input_ids=prompt, max_new_tokens=max_new, tree_budget=[None, 4, 9][i % 3]
         )
         assert got.tokens == want, f"prompt {i}"
         longest = max(longest, max(got.accept_lengths))
@@ -198,10 +198,10 @@ def test_eos_inside_an_accepted_run_stops_like_transformers(
     oracle = OracleTree(free, seed=1, depth=8)
     dm = DartModel(model, heads["llama"], tree_builder=oracle)
     dm.target.eos_token_ids = frozenset({TINY_EOS, eos})
-    got = run_oracle(dm, oracle, input_ids=prompt, max_new_token_num=30)
+    got = run_oracle(dm, oracle, input_ids=prompt, max_new_tokens=30)
     assert got.tokens == want
     assert got.finish_reason == "eos"
-    ar = ar_generate(dm, input_ids=prompt, max_new_token_num=30)
+    ar = ar_generate(dm, input_ids=prompt, max_new_tokens=30)
     assert ar.tokens == want and ar.finish_reason == "eos"
 
 
@@ -217,7 +217,7 @@ def test_max_length_edges_never_overflow(
     oracle = OracleTree(want + [5] * 10, seed=extra, depth=8)
     dm = DartModel(model, heads["qwen3"], tree_builder=oracle)
     # The caches are exactly max_length long: a tree that did not shrink would overflow.
-    got = run_oracle(dm, oracle, input_ids=prompt, max_length=max_length, max_new_token_num=100)
+    got = run_oracle(dm, oracle, input_ids=prompt, max_length=max_length, max_new_tokens=100)
     assert got.tokens == want
     assert len(prompt) + len(got.tokens) <= max_length
     assert all(size <= max_length - len(prompt) for size in got.tree_sizes)
@@ -234,7 +234,7 @@ def test_max_new_tokens_cuts_a_long_accepted_run(
         oracle = OracleTree(want, seed=max_new, depth=8)
         oracle.rng = np.random.default_rng(0)
         dm = DartModel(model, heads["llama"], tree_builder=oracle)
-        got = run_oracle(dm, oracle, input_ids=prompt, max_new_token_num=max_new)
+        got = run_oracle(dm, oracle, input_ids=prompt, max_new_tokens=max_new)
         assert got.tokens == want[:max_new]
         assert got.finish_reason == "length"
 
@@ -253,7 +253,7 @@ def test_stop_strings_and_streaming(targets: dict[str, Any], heads: dict[str, Da
     oracle = OracleTree(free, seed=2, depth=6)
     dm = DartModel(model, heads["llama"], tokenizer=tok, tree_builder=oracle)
     dm.target.eos_token_ids = frozenset()
-    stream = dart_generate(dm, input_ids=prompt, max_new_token_num=30, stop=[stop], stream=True)
+    stream = dart_generate(dm, input_ids=prompt, max_new_tokens=30, stop=[stop], stream=True)
     deltas = []
     for event in stream:
         oracle.g += len(event.tokens)
@@ -266,7 +266,7 @@ def test_stop_strings_and_streaming(targets: dict[str, Any], heads: dict[str, Da
     assert result.text == full[: full.index(stop)]
     assert stop not in result.text
     assert "".join(deltas) == result.text
-    ar = ar_generate(dm, input_ids=prompt, max_new_token_num=30, stop=stop)
+    ar = ar_generate(dm, input_ids=prompt, max_new_tokens=30, stop=stop)
     assert ar.tokens == result.tokens and ar.text == result.text
 
 
@@ -279,7 +279,7 @@ def test_sdpa_and_text_prompt_paths(heads: dict[str, DartHead]) -> None:
     want = hf_greedy(model, prompt, max_new_tokens=15)
     oracle = OracleTree(want, seed=3)
     dm = DartModel(model, heads["llama"], tokenizer=tok, tree_builder=oracle)
-    got = run_oracle(dm, oracle, prompt=text, max_new_token_num=15)
+    got = run_oracle(dm, oracle, prompt=text, max_new_tokens=15)
     assert got.tokens == want
     assert got.prompt_tokens == len(prompt)
     assert got.text == tok.decode(want, skip_special_tokens=True)
@@ -317,7 +317,7 @@ def test_stage_timings_book_every_step_once(
     model.forward = timed
     try:
         fn = dart_generate if mode == "dart" else ar_generate
-        stream = fn(dm, input_ids=[5, 9, 11], max_new_token_num=20, stream=True)
+        stream = fn(dm, input_ids=[5, 9, 11], max_new_tokens=20, stream=True)
         events = []
         for event in stream:
             oracle.g += len(event.tokens)
@@ -397,7 +397,7 @@ def test_incremental_text_of_byte_level_bpe(smol_tok: Any, text: str) -> None:
 
 
 def test_greedy_token_breaks_ties_at_the_first_index() -> None:
-    from dart_client.accept import greedy_token
+    from dart_client.decoding.accept import greedy_token
 
     row = torch.tensor([0.5, 2.0, -1.0, 2.0, 1.0]).to(torch.bfloat16)
     assert greedy_token(row) == 1 == int(row.float().argmax())
@@ -515,7 +515,7 @@ def sample_many(dm: DartModel, n: int) -> tuple[Counter, list[int]]:
         r = dart_generate(
             dm,
             input_ids=PROMPT,
-            max_new_token_num=3,
+            max_new_tokens=3,
             seed=seed,
             temperature=PARAMS.temperature,
             top_k=PARAMS.top_k,
@@ -544,7 +544,7 @@ def test_sampling_is_lossless(sampling_setup: Any) -> None:
             ar_generate(
                 dm,
                 input_ids=PROMPT,
-                max_new_token_num=3,
+                max_new_tokens=3,
                 seed=s,
                 temperature=PARAMS.temperature,
                 top_k=PARAMS.top_k,
@@ -568,7 +568,7 @@ def test_sampling_with_the_pruner_and_prompt_lookup_is_lossless(
     import json
 
     from dart_client.ngram import NGram
-    from dart_client.ngram_build import build
+    from dart_client.ngram.build import build
 
     model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, seed=5, init_range=0.3)
     model.config.eos_token_id = None
@@ -592,7 +592,7 @@ def test_sampling_with_the_pruner_and_prompt_lookup_is_lossless(
         r = dart_generate(
             dm,
             input_ids=LOOKUP_PROMPT,
-            max_new_token_num=6,  # room for lookup paths; the first 3 tokens are compared
+            max_new_tokens=6,  # room for lookup paths; the first 3 tokens are compared
             tree_budget=5,
             seed=seed,
             temperature=PARAMS.temperature,
@@ -695,8 +695,8 @@ def plain_dm(targets: dict[str, Any], heads: dict[str, DartHead]) -> DartModel:
         ({"input_ids": [5], "temperature": "hot"}, InvalidTypeError, "temperature"),
         ({"input_ids": [5], "top_p": 0.0}, InvalidArgumentError, "top_p"),
         ({"input_ids": [5], "top_k": -2}, InvalidArgumentError, "top_k"),
-        ({"input_ids": [5], "max_new_token_num": 0}, InvalidArgumentError, "max_new_token_num"),
-        ({"input_ids": [5], "max_new_token_num": 2.5}, InvalidTypeError, "max_new_token_num"),
+        ({"input_ids": [5], "max_new_tokens": 0}, InvalidArgumentError, "max_new_tokens"),
+        ({"input_ids": [5], "max_new_tokens": 2.5}, InvalidTypeError, "max_new_tokens"),
         ({"input_ids": [5], "tree_budget": -1}, InvalidArgumentError, "tree_budget"),
         ({"input_ids": [5], "stop": [""]}, InvalidArgumentError, "stop"),
         ({"input_ids": [5], "stop": 7}, InvalidTypeError, "stop"),
@@ -740,7 +740,7 @@ def test_dart_generate_without_head_is_an_error(targets: dict[str, Any]) -> None
     dm = DartModel(targets["llama"])
     with pytest.raises(InvalidArgumentError, match="ar_generate"):
         dart_generate(dm, input_ids=[5, 6])
-    assert len(ar_generate(dm, input_ids=[5, 6], max_new_token_num=3).tokens) == 3
+    assert len(ar_generate(dm, input_ids=[5, 6], max_new_tokens=3).tokens) == 3
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -749,7 +749,7 @@ def test_dart_generate_without_head_is_an_error(targets: dict[str, Any]) -> None
 def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from dart_client.cli import main
+    from dart_client.apps.cli import main
 
     model = make_tiny_target("llama", seed=0)
     tok = make_tiny_tokenizer()
@@ -770,5 +770,6 @@ def test_cli_generate_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
     assert main([]) == 2
     # A DartError becomes a one-line message and exit status 1, not a traceback.
     no_ar = [a for a in argv[:-2] if a != "--ar"]
-    assert main([*no_ar, "--head", str(tmp_path / "missing"), "w5"]) == 1
+    missing = ["--head", str(tmp_path / "missing"), "--ngram", str(tmp_path / "missing.ngram")]
+    assert main([*no_ar, *missing, "w5"]) == 1
     assert "error:" in capsys.readouterr().err

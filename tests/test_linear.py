@@ -132,7 +132,7 @@ def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
     head = DartHead.random_init(model.config, draft_length=3, seed=1)
     dm = DartModel(model, head, tokenizer=make_tiny_tokenizer())
     assert dm.target.packing.layers > 0
-    from dart_client.verify import Tree
+    from dart_client.decoding.verify import Tree
 
     class Chain:
         """The head's top-1 chain as the tree (no n-gram model needed)."""
@@ -144,13 +144,13 @@ def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
     for seed in range(3):
         prompt = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(seed))
         ids = prompt.tolist()
-        got = dart_generate(dm, input_ids=ids, max_new_token_num=24)
-        want = ar_generate(dm, input_ids=ids, max_new_token_num=24)
+        got = dart_generate(dm, input_ids=ids, max_new_tokens=24)
+        want = ar_generate(dm, input_ids=ids, max_new_tokens=24)
         assert got.tokens == want.tokens
 
 
 def test_kernel_benchmark_times_both_kernel_sets_and_leaves_the_decoding_ones_on() -> None:
-    from dart_client.bench.kernels import markdown, measure
+    from dart_client.apps.bench.kernels import markdown, measure
 
     model = make_tiny_target("llama", dtype=torch.float32, seed=10)
     target = TargetModel(model)

@@ -1,5 +1,5 @@
-"""Prompt lookup (``dart_client.lookup``): the native index against the definition, searched
-from scratch in plain Python, and its configuration."""
+"""Prompt lookup (``dart_client.decoding.lookup``): the native index against the definition,
+searched from scratch in plain Python, and its configuration."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_client.decoding.lookup import PromptLookup, PromptLookupConfig, parse_prompt_lookup
 from dart_client.errors import InvalidArgumentError
-from dart_client.lookup import PromptLookup, PromptLookupConfig, parse_prompt_lookup
 from dart_client.ngram import TokenOutOfVocabError
 
 

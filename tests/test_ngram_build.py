@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_client.ngram import NGram, NGramError
-from dart_client.ngram_build import (
+from dart_client.ngram.build import (
     build,
     hf_tokenizer_fingerprint,
     import_dart,

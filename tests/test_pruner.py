@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from dart_client import _native
 from dart_client.ngram import NGram, TokenOutOfVocabError
-from dart_client.ngram_build import build
-from dart_client.pruner import DraftTree, Pruner, PrunerConfig, PrunerError
+from dart_client.ngram.build import build
+from dart_client.ngram.pruner import DraftTree, Pruner, PrunerConfig, PrunerError
 
 # ---- the reference ----------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ def test_lists_numpy_and_torch_inputs_give_the_same_tree(small) -> None:
 
 
 def test_matching_inputs_are_not_copied() -> None:
-    from dart_client.pruner import _ids, _probs
+    from dart_client.ngram.pruner import _ids, _probs
 
     a = np.arange(6, dtype=np.int64).reshape(2, 3)
     b = np.full((2, 3), 0.1, dtype=np.float32)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
-from dart_client.draft import DraftRows
+from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.verify import Tree
 from dart_client.models.head import DartHead
-from dart_client.verify import Tree
 
 PROMPTS = [
     "What is the capital of France?",
@@ -124,7 +124,7 @@ def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
         want = hf_greedy(model, ids)
         oracle = OracleTree(want)
         dm.tree_builder = oracle
-        stream = dart_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW, stream=True)
+        stream = dart_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW, stream=True)
         for event in stream:
             oracle.g += len(event.tokens)
         got = stream.result
@@ -157,8 +157,8 @@ def test_smollm2_bf16_greedy_matches_transformers(smollm2_bf16: Any) -> None:
 @pytest.mark.usefixtures("one_thread")
 def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: Any) -> None:
     """End to end with the Rust pruner over an n-gram built from real ShareGPT text."""
-    pytest.importorskip("dart_client.pruner")
-    ngram_build = pytest.importorskip("dart_client.ngram_build")
+    pytest.importorskip("dart_client.ngram.pruner")
+    ngram_build = pytest.importorskip("dart_client.ngram.build")
     from conftest import export_smollm2_tokenizer, sharegpt_texts
 
     from dart_client.ngram import NGram
@@ -186,8 +186,8 @@ def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: An
             dm.template.format(messages=[{"role": "user", "content": text}]),
             add_special_tokens=False,
         )["input_ids"]
-        got = dart_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
-        ar = ar_generate(dm, input_ids=ids, max_new_token_num=MAX_NEW)
+        got = dart_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
+        ar = ar_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
         assert max(got.tree_sizes[1:], default=1) > 1
         matched += check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
     dm.target.close()

@@ -15,8 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dart_client.errors import InvalidArgumentError, InvalidTypeError
-from dart_client.sampling import (
+from dart_client.decoding.sampling import (
     SamplingParams,
     make_generator,
     sample,
@@ -24,6 +23,7 @@ from dart_client.sampling import (
     top_p_filter,
     warp_logits,
 )
+from dart_client.errors import InvalidArgumentError, InvalidTypeError
 
 
 def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -8,13 +8,13 @@ import pytest
 from conftest import make_tiny_target, make_tiny_tokenizer
 
 from dart_client import DartModel
-from dart_client.bench import step_profile
+from dart_client.apps.bench import step_profile
 from dart_client.models.head import DartHead
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_profile_books_the_overhead_against_ar_forwards(tiny_ngram_path: Any) -> None:
-    pytest.importorskip("dart_client.pruner")
+    pytest.importorskip("dart_client.ngram.pruner")
     from dart_client.ngram import NGram
 
     model = make_tiny_target("llama", seed=2)

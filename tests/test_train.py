@@ -480,8 +480,8 @@ def test_trained_head_exports_loads_and_generates_losslessly(
     accepted = []
     for start in range(4):
         prompt = [int(x) for x in data[start][0][:8]]
-        ar = model.ar_generate(input_ids=prompt, max_new_token_num=24, max_length=64)
-        dart = model.generate(input_ids=prompt, max_new_token_num=24, max_length=64)
+        ar = model.ar_generate(input_ids=prompt, max_new_tokens=24, max_length=64)
+        dart = model.generate(input_ids=prompt, max_new_tokens=24, max_length=64)
         assert dart.tokens == ar.tokens
         accepted += dart.accept_lengths[1:]
     assert max(accepted) > 1  # the trained head's drafts are accepted sometimes

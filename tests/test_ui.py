@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_client import DartModel, ar_generate, dart_generate
+from dart_client.apps.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
 from dart_client.models.head import DartHead
-from dart_client.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,8 +41,8 @@ def test_race_reproduces_both_methods(model: DartModel) -> None:
     states = list(race(model, ids, race_settings, min_interval=0.0))
     ar, dart = states[-1]
     assert ar.done and dart.done
-    want = ar_generate(model, input_ids=ids, max_new_token_num=20)
-    got = dart_generate(model, input_ids=ids, max_new_token_num=20, tree_budget=6)
+    want = ar_generate(model, input_ids=ids, max_new_tokens=20)
+    got = dart_generate(model, input_ids=ids, max_new_tokens=20, tree_budget=6)
     assert [t for s in ar.steps for t in s] == want.tokens
     assert [t for s in dart.steps for t in s] == got.tokens == want.tokens
     assert [len(s) for s in dart.steps] == got.accept_lengths
@@ -72,7 +72,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def served(model: DartModel) -> Iterator[str]:
     pytest.importorskip("gradio")
-    from dart_client.ui.app import build_app, free_port, launch
+    from dart_client.apps.ui.app import build_app, free_port, launch
 
     app = build_app(model, max_new_tokens=16)
     port = free_port()

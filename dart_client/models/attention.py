@@ -2,18 +2,15 @@
 
 Verifying a tree asks attention a different question than a prompt does: a few dozen tokens
 against hundreds of cached keys. PyTorch's CPU ``scaled_dot_product_attention`` (a flash
-kernel, tiled for long query blocks) is slow at that shape: with SmolLM2-135M's 9 query /
-3 key-value heads, 33 queries over 300 keys take 659 us through transformers' SDPA path and
-over 1,000 keys 2,052 us, where two matmuls and a softmax take 373 and 1,070 us (8 queries:
-156 / 423 against 118 / 303). Over 30 layers that is 9 ms of a 60 ms tree forward.
+kernel, tiled for long query blocks) is slow at that shape: two matmuls and a softmax take
+about half its time (measurements: ``docs/performance-notes.md``).
 
 :func:`small_query_attention` computes those shapes directly. In bf16 on CPUs with AVX-512
 it calls DART's own kernel (``dart_kernels::attention``) for every query count up to
 :data:`MAX_QUERIES`, one query included: each query from its own visible keys, in order, so
 with DART's matmul (:mod:`dart_client.models.linear`) a tree's logits are one-token
 decoding's bit for bit, and greedy DART reproduces greedy decoding exactly on the CPU. It
-costs about what the paths below cost (SmolLM2, 300 cached keys: 1 / 8 / 24 queries 55 / 135
-/ 340 us against SDPA's 43 and the matmuls' 169 / 332). Otherwise (other dtypes, CPUs
+costs about what the paths below cost. Otherwise (other dtypes, CPUs
 without AVX-512) it works in float32 (float64 for float64 models), at least as exact as the
 flash kernel: the query heads that share a
 key/value head become extra query rows of it (no copies of K/V), the mask is broadcast over

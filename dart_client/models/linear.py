@@ -1,21 +1,19 @@
 """Linear layers on the CPU: weights packed for multiplying a few rows.
 
 PyTorch's plain ``F.linear`` on the CPU multiplies a few rows (a draft step, a tree of a few
-dozen nodes) much slower per weight byte than one row, so a tree forward looked 1.5x as
-expensive as an autoregressive one already at 2 tokens. Two packed kernels close that gap:
+dozen nodes) much slower per weight byte than one row, so a tree forward costs far more than
+an autoregressive one. Two packed kernels close that gap (measurements:
+``docs/performance-notes.md``):
 
 - bf16 weights on CPUs with AVX-512 use DART's own matmul (``dart_kernels::PackedMatrix``,
   bound as ``dart_client._native.PackedMatrix``): a panel layout streamed once per call with
   software prefetch, up to 12 rows per weight load, f32 FMAs. Every row is computed in the
   same order whatever the row count, so a tree's products equal one-token decoding's bit for
-  bit. On SmolLM2-135M's linear layers (one thread, ``cargo bench -p dart-kernels``) 8 rows
-  cost 1.25x one row where oneDNN's bf16 kernel costs 1.7x, and one row is 30% faster. On
-  CPUs with AMX-BF16 the same layout is multiplied in tiles, up to 32 rows per weight load:
-  16 rows cost 1.1x one row, 32 rows 1.4x (``_native.decoding_matmul_backend()`` says which
-  kernel runs); rows are bit-independent there too.
+  bit. On CPUs with AMX-BF16 the same layout is multiplied in tiles, up to 32 rows per weight
+  load (``_native.decoding_matmul_backend()`` says which kernel runs); rows are
+  bit-independent there too.
 - fp32 weights, and bf16 where AVX-512 is missing, use oneDNN's prepacked weights (the kernels
-  IPEX and vLLM's CPU backend use): a bf16 forward over 8 tokens 1.38x one token instead of
-  1.61x, an fp32 one 1.99x instead of 3.40x. A single row keeps PyTorch's kernel there.
+  IPEX and vLLM's CPU backend use). A single row keeps PyTorch's kernel there.
 
 The packed copy lives beside the parameters (the checkpoint layout never changes) and is
 rebuilt when a weight changes. :func:`set_cpu_matmul` chooses between the kernels (for
@@ -125,8 +123,8 @@ def project(
 
     if len(names) == 1 and x.numel() == x.shape[-1] and not _dart_matmul_for(x.dtype):
         # One row (a decoding step) without DART's matmul: the plain kernel reads the weight
-        # as fast, and its call costs a few microseconds less than oneDNN's (x 211 layers of
-        # SmolLM2: 9% per token).
+        # as fast, and its call costs a few microseconds less than oneDNN's (per layer, per
+        # token).
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
     def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, PackedWeight | None]:

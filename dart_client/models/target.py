@@ -18,6 +18,7 @@ forward cheaper, a tree's most of all.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -238,6 +239,14 @@ class TargetCache(Cache):
             layer.compact(start, keep)
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` from transformers
+    5.24 on (``past_key_values`` then warns on every call, and goes in 5.40), else
+    ``past_key_values``. Read from the signature, which is what the call must match."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class TargetModel:
     """A transformers causal LM wrapped for DART: taps, tree forwards, a preallocated cache."""
 
@@ -250,6 +259,7 @@ class TargetModel:
         when memory is short) and :func:`small_query_attention`. The outputs are the same
         up to floating-point rounding; :meth:`close` switches back."""
         self.model = model
+        self._cache_keyword = cache_keyword(model)
         self.tokenizer = tokenizer
         config = getattr(model, "config", None)
         if config is None:
@@ -409,8 +419,8 @@ class TargetModel:
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask=mask,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_keyword: cache},
                 logits_to_keep=logits_to_keep,
             )
             if sync:

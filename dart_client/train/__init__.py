@@ -1,6 +1,6 @@
 """Training DART heads: data, prefix-shared masks, the annealed KL loss, the loop.
 
-``dart-train`` (:mod:`dart_client.train.cli`) runs it from the command line, under
+``dart-train`` (:mod:`dart_client.apps.train`) runs it from the command line, under
 ``torchrun`` unchanged; ``dart-eval-head`` measures a head; ``dart-regenerate`` rewrites a
 corpus's answers with the target itself.
 """

@@ -107,7 +107,7 @@ class TopPathTreeBuilder:
     what a pruned tree accepts; needs no n-gram model."""
 
     def build(self, context: np.ndarray, rows: object, budget: int) -> object:
-        from dart_client.verify import Tree
+        from dart_client.decoding.verify import Tree
 
         ids = rows.ids  # type: ignore[attr-defined]
         depth = min(budget, int(ids.shape[0]))
@@ -143,12 +143,8 @@ def generation_tau(
     ar_new = 0
     for ids in prompts:
         max_length = len(ids) + max_new_tokens + 1
-        dart = model.generate(
-            input_ids=ids, max_new_token_num=max_new_tokens, max_length=max_length
-        )  # type: ignore[attr-defined]
-        ar = model.ar_generate(
-            input_ids=ids, max_new_token_num=max_new_tokens, max_length=max_length
-        )  # type: ignore[attr-defined]
+        dart = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, max_length=max_length)  # type: ignore[attr-defined]
+        ar = model.ar_generate(input_ids=ids, max_new_tokens=max_new_tokens, max_length=max_length)  # type: ignore[attr-defined]
         spec = dart.accept_lengths[1:]
         steps += len(spec)
         accepted += sum(spec)

@@ -11,19 +11,15 @@ resumable: ids already in the file are skipped, and a cut-off last line is dropp
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from dart_client.data.conversations import Conversation, is_held_out
-from dart_client.data.prompt_response import read_conversations
-from dart_client.errors import DartError
+from dart_client.data.conversations import Conversation
 
 
 def first_prompt(conversation: Conversation) -> list[dict[str, str]] | None:
@@ -150,66 +146,3 @@ def regenerate(
             bar.set_postfix(tokens=tokens)
     bar.close()
     return written
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from dart_client.devices import check_device
-    from dart_client.models.linear import pack_linear_layers
-    from dart_client.train.cli import _default_data, load_target
-
-    p = argparse.ArgumentParser(
-        prog="dart-regenerate",
-        description="Regenerate the assistant's answers with the target itself (resumable).",
-    )
-    p.add_argument("--target", help="HF dir/hub id or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--target-dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--data", nargs="+", help="conversation files (default: embedded ShareGPT)")
-    p.add_argument("--split", default="train", choices=["train", "held_out", "all"])
-    p.add_argument("--output", required=True, help="JSONL to append to (resumed if present)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, help="stop after this many conversations in total")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
-    args = p.parse_args(argv)
-    try:
-        device = check_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        model, tokenizer, _ = load_target(args.target, args.target_dtype)
-        model.to(device)
-        # Batched decoding multiplies a few dozen rows per step: faster with packed weights
-        # (a no-op off the CPU).
-        pack_linear_layers(model)
-
-        def selected() -> Iterator[Conversation]:
-            for path in args.data or _default_data():
-                for conv in read_conversations(path):
-                    held = is_held_out(conv.id)
-                    if args.split == "all" or held == (args.split == "held_out"):
-                        yield conv
-
-        n = regenerate(
-            model,
-            tokenizer,
-            selected(),
-            args.output,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            limit=args.limit,
-        )
-    except DartError as err:
-        print(f"dart-regenerate: error: {err}", file=sys.stderr)
-        return 2
-    print(f"dart-regenerate: {n} conversations written to {args.output}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dart_client.errors import DartError
+from dart_client.loading import DTYPES
 from dart_client.models.head import DartHead
 from dart_client.train.data import TrainingSet
 from dart_client.train.forward import (
@@ -39,8 +40,6 @@ from dart_client.train.forward import (
 from dart_client.train.loss import annealed_kl
 from dart_client.train.masks import batch_layout, sample_anchors
 from dart_client.train.vocab import build_draft_vocab, coverage, token_counts
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class TrainError(DartError):

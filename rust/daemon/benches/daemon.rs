@@ -2,7 +2,7 @@
 //!
 //! The model is `DART_BENCH_MODEL` if set (e.g. a ShareGPT model from `dart-ngram build`),
 //! else a synthetic Zipfian 3-gram model written to a temporary directory. The Python client's
-//! figures (and 1/4/16 concurrent clients) come from `python -m dart_client.bench.daemon_bench`.
+//! figures (and 1/4/16 concurrent clients) come from `python -m dart_client.apps.bench.daemon_bench`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

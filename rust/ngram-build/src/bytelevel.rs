@@ -468,7 +468,7 @@ mod tests {
     }
 
     /// The real SmolLM2 tokenizer and ShareGPT training split, where the project caches them
-    /// (`$DART_CACHE`, else `~/.cache/dart`; built by `dart_client.embedded_ngram`).
+    /// (`$DART_CACHE`, else `~/.cache/dart`; built by `dart_client.ngram.embedded`).
     fn real_data() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
         let root = std::env::var_os("DART_CACHE")
             .map(std::path::PathBuf::from)
@@ -483,7 +483,7 @@ mod tests {
     /// The fast path against the crate on real ShareGPT text with the real SmolLM2 tokenizer
     /// (code, unicode, whitespace runs, digits, chat special tokens): the first 300 documents,
     /// or `DART_TOKENIZE_CHECK_DOCS` of them (`all` for the whole split). Needs the cached data
-    /// (`python -c "from dart_client.embedded_ngram import ensure_ngram; ensure_ngram()"`).
+    /// (`python -c "from dart_client.ngram.embedded import ensure_ngram; ensure_ngram()"`).
     #[test]
     fn same_ids_as_the_crate_on_real_sharegpt() {
         let Some((tok_path, corpus)) = real_data() else {

@@ -104,12 +104,33 @@ impl LoadedTokenizer {
     /// (`add_special_tokens = true`, as the reference counts), by the `tokenizers` crate's own
     /// pipeline. Bulk work should use an [`Encoder`] (same ids, faster).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// Token ids of `text` alone, no special tokens added (a query's context, a candidate).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         // encode_fast skips character offsets, which counting never needs.
         let enc = self
             .tokenizer
-            .encode_fast(text, true)
+            .encode_fast(text, add_special_tokens)
             .map_err(|e| self.encode_error(e))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// How token `id` reads: its decoded text (byte-level marks undone), or the raw token
+    /// when it does not decode to text on its own (part of a UTF-8 character), or `<id?>`.
+    pub fn decode_token(&self, id: u32) -> String {
+        match self.tokenizer.decode(&[id], false) {
+            Ok(text) if !text.contains('\u{fffd}') => text,
+            _ => self
+                .tokenizer
+                .id_to_token(id)
+                .unwrap_or_else(|| format!("<{id}?>")),
+        }
     }
 
     fn encode_error(&self, e: tokenizers::Error) -> NGramError {

@@ -1086,6 +1086,54 @@ impl NGramModel {
         Ok(pos)
     }
 
+    /// One conditional distribution, for people reading a model: the longest suffix `s` of
+    /// `context` (at most `order - 1` tokens) that has any continuation — the empty suffix
+    /// (unigrams) if none has — and its `k` most probable continuations `count(s c) / count(s)`,
+    /// best first, ties by token id. Unlike [`Self::top_k`] (DART's backoff scores, where each
+    /// token takes its probability from its own longest match), these sum to at most 1.
+    pub fn continuations(&self, context: &[u32], k: usize) -> Result<(usize, Vec<(u32, f32)>)> {
+        let mut ctxs = Vec::new();
+        self.suffixes(context, &mut ctxs)?;
+        let mut found: Vec<(u64, u32)> = Vec::new();
+        let (matched, total) = match ctxs.iter().find(|c| c.hi > c.lo) {
+            Some(ctx) => {
+                let toks = self.view(self.levels[ctx.order].tokens);
+                for j in ctx.lo..ctx.hi {
+                    let t = u32::try_from(toks.get(j)).map_err(|_| {
+                        self.corrupt(format!(
+                            "order {} entry {j}: token id past u32",
+                            ctx.order + 1
+                        ))
+                    })?;
+                    self.check_token(t)?;
+                    found.push((self.count_at(ctx.order + 1, j)?, t));
+                }
+                (ctx.order, ctx.count)
+            }
+            None => {
+                for t in 0..self.header.vocab_size {
+                    let c = self.count_at(1, u64::from(t))?;
+                    if c > 0 {
+                        found.push((c, t));
+                    }
+                }
+                (0, self.header.total_tokens)
+            }
+        };
+        if found.iter().any(|&(c, _)| c > total) {
+            return Err(self.corrupt(format!(
+                "a continuation of a {matched}-token context counts more than the context's {total}"
+            )));
+        }
+        found.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.truncate(k);
+        let probs = found
+            .into_iter()
+            .map(|(c, t)| (t, (c as f64 / total as f64) as f32))
+            .collect();
+        Ok((matched, probs))
+    }
+
     /// The `(key, count)` pairs of order `n`, ascending by key (keys as [`crate::key::pack`]);
     /// order 1 yields only tokens with a non-zero count.
     pub fn iter_order(&self, n: usize) -> impl Iterator<Item = Result<(u64, u64)>> + '_ {
@@ -1411,6 +1459,13 @@ mod tests {
                     .map(|(t, p)| (t, p as f32))
                     .collect();
                 assert_eq!(got, want, "top {k} after {ctx:?}");
+                let (len, want) = c.continuations(ctx, k);
+                let want: Vec<(u32, f32)> = want.into_iter().map(|(t, p)| (t, p as f32)).collect();
+                assert_eq!(
+                    m.continuations(ctx, k).unwrap(),
+                    (len, want),
+                    "continuations after {ctx:?}"
+                );
             }
         }
         for n in 1..=c.order {

@@ -157,4 +157,27 @@ impl Counts {
         all.truncate(k);
         all
     }
+
+    /// The longest suffix of the context with a continuation, and its `k` best continuations.
+    pub fn continuations(&self, context: &[u32], k: usize) -> (usize, Vec<(u32, f64)>) {
+        let ctx = &context[context.len().saturating_sub(self.order - 1)..];
+        for len in (0..=ctx.len()).rev() {
+            let s = &ctx[ctx.len() - len..];
+            let cs = self.count(s);
+            let mut all: Vec<(u32, f64)> = (0..self.vocab)
+                .filter_map(|c| {
+                    let mut g = s.to_vec();
+                    g.push(c);
+                    let cg = self.count(&g);
+                    (cs > 0 && cg > 0).then(|| (c, cg as f64 / cs as f64))
+                })
+                .collect();
+            if !all.is_empty() {
+                all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                all.truncate(k);
+                return (len, all);
+            }
+        }
+        (0, Vec::new())
+    }
 }

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 mod arrays;
 pub mod build;
+pub mod config;
 pub mod errors;
 pub mod kernels;
 pub mod ngram;

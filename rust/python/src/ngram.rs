@@ -1,6 +1,6 @@
 //! Python binding of `dart_ngram::NGramModel` (`dart_client._native.NGram`).
 //!
-//! Token ids arrive as int64 numpy arrays (the Python wrapper in `dart_client/ngram.py`
+//! Token ids arrive as int64 numpy arrays (the Python wrapper in `dart_client/ngram/model.py`
 //! converts lists and other integer dtypes) and are range-checked here; results go back as
 //! numpy arrays that own the Rust buffers (no copy). All work runs with the GIL released.
 

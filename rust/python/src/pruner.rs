@@ -1,7 +1,7 @@
 //! Python binding of `dart_pruner::Pruner` over a mapped model (`dart_client._native.Pruner`).
 //!
 //! Ids arrive as int64 numpy arrays and probabilities as float32 (the wrapper in
-//! `dart_client/pruner.py` converts lists, tensors and other dtypes, and passes only the tail
+//! `dart_client/ngram/pruner.py` converts lists, tensors and other dtypes, and passes only the tail
 //! of the context the n-gram model reads). Each tree goes back as a tuple of numpy arrays that
 //! own the Rust buffers (no copy): `(tokens, parents, depths, attention_mask, retrieve_indices,
 //! scores)`. The work runs with the GIL released.
@@ -101,7 +101,7 @@ struct Owned {
     lookup: Vec<u32>,
 }
 
-/// A pruner over a mapped n-gram model (see `dart_client.pruner.Pruner`).
+/// A pruner over a mapped n-gram model (see `dart_client.ngram.pruner.Pruner`).
 #[pyclass(name = "Pruner", module = "dart_client._native", frozen)]
 pub struct PyPruner {
     inner: Pruner<Arc<NGramModel>>,
@@ -109,41 +109,11 @@ pub struct PyPruner {
 
 #[pymethods]
 impl PyPruner {
+    /// `config`: the configuration as a dict (`dataclasses.asdict(PrunerConfig(...))`),
+    /// deserialized into `dart_pruner::PrunerConfig` (see `config.rs`).
     #[new]
-    #[pyo3(signature = (ngram, *, top_k, beam_width, max_nodes, level_exponent, logit_decay,
-                        ngram_weight, ngram_at_level0, eos_id, eps))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ngram: PyRef<'_, PyNGram>,
-        top_k: i64,
-        beam_width: i64,
-        max_nodes: i64,
-        level_exponent: f64,
-        logit_decay: f64,
-        ngram_weight: f64,
-        ngram_at_level0: bool,
-        eos_id: Option<i64>,
-        eps: f64,
-    ) -> PyResult<Self> {
-        let eos_id = match eos_id {
-            None => None,
-            Some(e) => Some(u32::try_from(e).map_err(|_| {
-                TokenOutOfVocabError::new_err(format!(
-                    "eos_id = {e} is not a valid token id (expected 0 <= id < vocabulary size)"
-                ))
-            })?),
-        };
-        let config = PrunerConfig {
-            top_k: non_negative("top_k", top_k)?,
-            beam_width: non_negative("beam_width", beam_width)?,
-            max_nodes: non_negative("max_nodes", max_nodes)?,
-            level_exponent,
-            logit_decay,
-            ngram_weight,
-            ngram_at_level0,
-            eos_id,
-            eps,
-        };
+    fn new(ngram: PyRef<'_, PyNGram>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let config = crate::config::pruner_config(config)?;
         let inner = Pruner::new(ngram.model(), config).map_err(to_py_err)?;
         Ok(PyPruner { inner })
     }
@@ -210,7 +180,7 @@ impl PyPruner {
 
     /// Seconds taken by each of `repeats` prunes of one request, timed inside Rust with the
     /// GIL released: the baseline the Python call's overhead is measured against
-    /// (`dart_client/bench/pruner_overhead.py`).
+    /// (`dart_client/apps/bench/pruner_overhead.py`).
     fn time_prune<'py>(
         &self,
         py: Python<'py>,
@@ -381,7 +351,7 @@ fn request<'a>(
 }
 
 /// `dart_pruner::PromptLookup`: an incremental prompt-lookup index over one sequence (see
-/// `dart_client.lookup`).
+/// `dart_client.decoding.lookup`).
 #[pyclass(name = "PromptLookup", module = "dart_client._native")]
 pub struct PyPromptLookup {
     inner: PromptLookup,
@@ -441,18 +411,7 @@ impl PyPromptLookup {
 /// The reference defaults, from the Rust side (the Python dataclass is tested against them).
 #[pyfunction]
 fn pruner_config_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let c = PrunerConfig::default();
-    let d = PyDict::new(py);
-    d.set_item("top_k", c.top_k)?;
-    d.set_item("beam_width", c.beam_width)?;
-    d.set_item("max_nodes", c.max_nodes)?;
-    d.set_item("level_exponent", c.level_exponent)?;
-    d.set_item("logit_decay", c.logit_decay)?;
-    d.set_item("ngram_weight", c.ngram_weight)?;
-    d.set_item("ngram_at_level0", c.ngram_at_level0)?;
-    d.set_item("eos_id", c.eos_id)?;
-    d.set_item("eps", c.eps)?;
-    Ok(d)
+    crate::config::pruner_config_dict(py, &PrunerConfig::default())
 }
 
 /// Draft rows as Python receives them: `(ids, probs)`.

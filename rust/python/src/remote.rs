@@ -1,5 +1,5 @@
 //! The gRPC client of a `dart-ngram serve` daemon (`dart_client._native.DaemonClient`), under
-//! `dart_client/remote.py`.
+//! `dart_client/ngram/remote.py`.
 //!
 //! Why native: a prune over loopback must cost little more than the prune itself. grpcio's
 //! Python unary call alone takes ~0.15-0.2 ms per call on a loaded 2-core machine, about the
@@ -13,7 +13,7 @@
 //! share the runtime's driver); their calls share the connection as HTTP/2 streams.
 //!
 //! Failures are `DaemonStatusError(code, details)`, `code` being the gRPC status code as an
-//! int: `dart_client/remote.py` classifies them, retries the transient ones and raises its
+//! int: `dart_client/ngram/remote.py` classifies them, retries the transient ones and raises its
 //! exception family. Every call has a deadline (`timeout` seconds), enforced here and sent to
 //! the daemon as `grpc-timeout`.
 
@@ -40,7 +40,7 @@ pyo3::create_exception!(
     DaemonStatusError,
     pyo3::exceptions::PyException,
     "A call to the n-gram daemon failed: args are (gRPC status code as int, details). \
-     dart_client.remote turns it into its DaemonError family."
+     dart_client.ngram.remote turns it into its DaemonError family."
 );
 
 fn status_err(code: Code, details: impl Into<String>) -> PyErr {
@@ -176,7 +176,7 @@ struct Conn {
 /// side polling). While spinning, each round lets the runtime read the socket without
 /// blocking, then yields the CPU to any other runnable thread (the daemon's, when both share
 /// a CPU); several polling clients on few CPUs still slow the daemon down, hence off by
-/// default (`dart_client.remote.DEFAULT_SPIN`).
+/// default (`dart_client.ngram.remote.DEFAULT_SPIN`).
 async fn spin_then_wait<F: std::future::Future>(fut: F, spin: Duration) -> F::Output {
     use std::task::Poll;
     tokio::pin!(fut);
@@ -250,35 +250,33 @@ pub struct PyDaemonPrunerConfig {
 
 #[pymethods]
 impl PyDaemonPrunerConfig {
+    /// `config`: the configuration as a dict (`dataclasses.asdict(PrunerConfig(...))`),
+    /// deserialized into `dart_pruner::PrunerConfig` (see `config.rs`) and sent whole: every
+    /// field overrides the daemon's default (`eos_id=None`: the model's EOS).
     #[new]
-    #[pyo3(signature = (*, top_k=None, beam_width=None, max_nodes=None, level_exponent=None,
-                        logit_decay=None, ngram_weight=None, ngram_at_level0=None, eos_id=None,
-                        eps=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        top_k: Option<u32>,
-        beam_width: Option<u32>,
-        max_nodes: Option<u32>,
-        level_exponent: Option<f64>,
-        logit_decay: Option<f64>,
-        ngram_weight: Option<f64>,
-        ngram_at_level0: Option<bool>,
-        eos_id: Option<u32>,
-        eps: Option<f64>,
-    ) -> Self {
-        PyDaemonPrunerConfig {
+    fn new(config: &Bound<'_, pyo3::types::PyDict>) -> PyResult<Self> {
+        let c = crate::config::pruner_config(config)?;
+        let wire = |name: &str, v: usize| {
+            u32::try_from(v).map_err(|_| {
+                crate::pruner::PrunerError::new_err(format!(
+                    "{name} = {v}; the daemon's protocol carries at most {}",
+                    u32::MAX
+                ))
+            })
+        };
+        Ok(PyDaemonPrunerConfig {
             inner: proto::PrunerConfig {
-                top_k,
-                beam_width,
-                max_nodes,
-                level_exponent,
-                logit_decay,
-                ngram_weight,
-                ngram_at_level0,
-                eos_id,
-                eps,
+                top_k: Some(wire("top_k", c.top_k)?),
+                beam_width: Some(wire("beam_width", c.beam_width)?),
+                max_nodes: Some(wire("max_nodes", c.max_nodes)?),
+                level_exponent: Some(c.level_exponent),
+                logit_decay: Some(c.logit_decay),
+                ngram_weight: Some(c.ngram_weight),
+                ngram_at_level0: Some(c.ngram_at_level0),
+                eos_id: c.eos_id,
+                eps: Some(c.eps),
             },
-        }
+        })
     }
 }
 

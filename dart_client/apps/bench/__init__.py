@@ -1,0 +1,1 @@
+"""Benchmarks of DART components, each runnable as ``python -m dart_client.apps.bench.NAME``."""

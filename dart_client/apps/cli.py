@@ -1,0 +1,224 @@
+"""The ``dart`` command line: ``dart generate``, ``dart chat`` and the other subcommands.
+
+Each subcommand is an entry ``name -> "module:function"`` in :data:`SUBCOMMANDS`; the
+function takes the remaining arguments and returns an exit status. Modules are imported only
+when their subcommand runs, so ``dart --help`` stays fast and a missing optional part only
+affects its own subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dart_client._native import DaemonStatusError, KernelError, NGramError, PrunerError
+from dart_client.apps.options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    check_model_arguments,
+    generation_config,
+    load_model,
+)
+from dart_client.errors import DartError
+
+#: Errors a user can cause, native ones included: one line on stderr and exit status 1.
+USER_ERRORS = (DartError, NGramError, PrunerError, KernelError, DaemonStatusError, OSError)
+
+#: The exit status after Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+#: name -> ("module:function", one-line help). Other parts of the project add theirs here.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("dart_client.apps.cli:generate_main", "generate a reply to one prompt"),
+    "chat": ("dart_client.apps.cli:chat_main", "interactive chat with streamed replies"),
+    "train": ("dart_client.apps.train:train_main", "train a DART head"),
+    "eval-head": ("dart_client.apps.train:eval_main", "measure a head's acceptance"),
+    "demo": (
+        "dart_client.apps.cli:demo_main",
+        "the embedded-default demo (--ui: side-by-side page)",
+    ),
+    "bench": (
+        "dart_client.apps.bench.cli:main",
+        "benchmark DART against the baselines (dart-bench)",
+    ),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"dart: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target, _ = SUBCOMMANDS[name]
+    module_name, func_name = target.split(":")
+    try:
+        func: Callable[[list[str]], int | None] = getattr(
+            importlib.import_module(module_name), func_name
+        )
+    except (ImportError, AttributeError) as err:
+        print(f"dart {name}: not available in this installation ({err})", file=sys.stderr)
+        return 2
+    return run_command(f"dart {name}", func, rest)
+
+
+def run_command(prog: str, func: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """``func(argv)``'s status; a user error (native ones too) prints one line and gives 1,
+    Ctrl-C gives 130, a usage error argparse's 2."""
+    try:
+        status = func(argv)
+    except USER_ERRORS as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except SystemExit as exit_:  # argparse's usage errors (2) and --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return int(status or 0)
+
+
+def _usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = [f"  {n:<{width}}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
+    return "usage: dart COMMAND [ARGS...]\n\ncommands:\n" + "\n".join(lines)
+
+
+def demo_main(argv: Sequence[str]) -> int:
+    """``dart demo``: the n-gram demo; ``dart demo --ui [--port N]``: the side-by-side page."""
+    args = list(argv)
+    if "--ui" in args:
+        args.remove("--ui")
+        from dart_client.apps.ui.app import main as ui_main
+
+        return ui_main(args)
+    from dart_client.apps.demo import main as ngram_demo_main
+
+    ngram_demo_main(args)
+    return 0
+
+
+def _format_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"enable_thinking": False} if args.no_thinking else {}
+
+
+def _stats(result: Any) -> str:
+    t = result.timings
+    stages = " ".join(f"{k}={v * 1000:.0f}ms" for k, v in t.items())
+    return (
+        f"[{result.mode}] {len(result.tokens)} tokens in {result.elapsed:.2f}s "
+        f"({result.tokens_per_second:.1f} tok/s), tau={result.tau:.2f}, "
+        f"steps={result.steps}, finish={result.finish_reason}; {stages}"
+    )
+
+
+# -- dart generate --------------------------------------------------------------------------------
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="dart generate", description="Generate a reply to one prompt.")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("prompt", nargs="?", help="the user message (default: read stdin)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    args = p.parse_args(list(argv))
+    config = generation_config(args, p)
+    check_model_arguments(args, p)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        p.error("the prompt is empty" + (" (read from stdin)" if args.prompt is None else ""))
+    model = load_model(args)
+    mode = "ar" if args.ar else "dart"
+    if args.raw or model.template is None:
+        text = prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = model.template.format(messages=messages, **_format_options(args))
+    stream = model.generate(text, config, mode=mode, stream=True)
+    pieces: list[str] = []
+    try:
+        for event in stream:
+            pieces.append(event.text)
+    except KeyboardInterrupt:
+        # What was generated before Ctrl-C is the user's: print it, then report.
+        print("".join(pieces), flush=True)
+        raise
+    result = stream.result
+    assert result is not None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "tau": result.tau,
+                    "accept_lengths": result.accept_lengths,
+                    "timings": result.timings,
+                    "elapsed": result.elapsed,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
+    else:
+        print(result.text)
+        print(_stats(result), file=sys.stderr)
+    return 0
+
+
+# -- dart chat ------------------------------------------------------------------------------------
+
+
+def chat_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="dart chat", description="Interactive chat, streamed.")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--system", help="system message")
+    p.add_argument("--stats", action="store_true", help="print tau and speed after each reply")
+    args = p.parse_args(list(argv))
+    config = generation_config(args, p)
+    check_model_arguments(args, p)
+    if args.template == "none":
+        p.error("chat needs a chat template (--template auto|qwen|llama3|chatml)")
+    model = load_model(args)
+    if model.template is None:
+        raise DartError("chat needs a chat template (--template qwen|llama3|chatml)")
+    mode = "ar" if args.ar else "dart"
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("dart chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        text = model.template.format(messages=history, **_format_options(args))
+        stream = model.generate(text, config, mode=mode, stream=True)
+        for event in stream:  # Ctrl-C: the text so far is already printed
+            print(event.text, end="", flush=True)
+        print()
+        result = stream.result
+        assert result is not None
+        history.append({"role": "assistant", "content": result.text})
+        if args.stats:
+            print(_stats(result), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The command-line options shared by the ``dart`` subcommands, the bench and the UI, and their
+translation into a :class:`~dart_client.decoding.config.GenerationConfig` and a model load.
+Only argument parsing lives here; loading is :func:`dart_client.dart_model.build_model`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dart_client.decoding.config import GenerationConfig, parse_tree_budget
+from dart_client.errors import DartError
+from dart_client.loading import DTYPES
+
+#: ``--dtype`` choices: the loader's names and ``auto`` (the checkpoint's dtype).
+DTYPE_CHOICES = [*DTYPES, "auto"]
+
+
+# -- shared model options ---------------------------------------------------------------------
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--base",
+        help="target model: local path, hub id or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--head",
+        help="DART head directory or hub id; 'random' for an untrained "
+        "head (tau near 1); omit with --ar",
+    )
+    g.add_argument(
+        "--ngram",
+        help="n-gram model (.ngram, .trie, directory or hub id); "
+        "'embedded' for the ShareGPT 3-gram of the embedded default",
+    )
+    g.add_argument("--small-ngram", action="store_true", help="use the directory's small model")
+    g.add_argument("--ngram-server", help="host:port of an n-gram daemon instead of --ngram")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
+    g.add_argument("--device", default="cpu", help="device_map for the target (default cpu)")
+    g.add_argument(
+        "--template",
+        default="auto",
+        help="chat template: auto (the tokenizer's), qwen, llama3, chatml, none",
+    )
+    g.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking")
+    g.add_argument("--ar", action="store_true", help="plain autoregressive decoding")
+    add_prompt_lookup_argument(g)
+    add_cpu_kernels_argument(g)
+
+
+def add_prompt_lookup_argument(g: Any) -> None:
+    """``--prompt-lookup N`` (``args.prompt_lookup``): see :mod:`dart_client.decoding.lookup`."""
+    g.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=8,
+        metavar="N",
+        help="merge a prompt-lookup path of up to N tokens (what followed the context's last "
+        "tokens earlier in it) into every draft tree; 0 = off, the paper's trees (default 8)",
+    )
+
+
+def add_cpu_kernels_argument(g: Any) -> None:
+    """``--no-cpu-kernels`` (``args.cpu_kernels``): see :class:`TargetModel`."""
+    g.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="run the target on PyTorch's plain CPU kernels, not the decoding ones (oneDNN-"
+        "packed weights, which take a second copy of them, and small-query attention)",
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-length", type=int, default=2048)
+    g.add_argument(
+        "--tree-budget",
+        type=_tree_budget,
+        default=None,
+        help="draft nodes per step, or 'auto' (measured on this machine)",
+    )
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _tree_budget(value: str) -> int | str | None:
+    try:
+        return parse_tree_budget(value)
+    except DartError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def generation_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> GenerationConfig:
+    """The config the sampling options describe; a bad value is a usage error (exit 2), found
+    before any model loads."""
+    try:
+        return GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            max_length=args.max_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=tuple(args.stop or ()),
+            seed=args.seed,
+            tree_budget=args.tree_budget,
+        )
+    except DartError as err:
+        parser.error(str(err))
+
+
+def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Usage errors of the model options (exit 2) before anything loads."""
+    if args.device != "auto":  # device_map="auto" lets accelerate place the layers
+        from dart_client.devices import check_device
+
+        try:
+            check_device(args.device)
+        except DartError as err:
+            parser.error(str(err))
+    if args.prompt_lookup < 0:
+        parser.error(f"--prompt-lookup {args.prompt_lookup}: expected a path length >= 0")
+    if args.template not in ("auto", "none"):
+        from dart_client.templates import TEMPLATE_REGISTRY
+
+        if args.template not in TEMPLATE_REGISTRY:
+            parser.error(f"--template {args.template!r}: unknown chat template")
+    if not args.ar:
+        if args.head is None:
+            parser.error("pass --head DIR (or --head random for an untrained head), or use --ar")
+        if not args.ngram and not args.ngram_server:
+            parser.error("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The DartModel the model options describe."""
+    from dart_client.dart_model import build_model
+
+    return build_model(
+        args.base,
+        args.head,
+        args.ngram,
+        dtype=args.dtype,
+        device=args.device,
+        template=args.template,
+        small_ngram=args.small_ngram,
+        ngram_server=args.ngram_server,
+        ar=args.ar,
+        cpu_kernels=args.cpu_kernels,
+        prompt_lookup=args.prompt_lookup,
+    )

@@ -1,1 +1,0 @@
-"""Benchmarks of DART components, each runnable as ``python -m dart_client.bench.NAME``."""

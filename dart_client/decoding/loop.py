@@ -1,0 +1,522 @@
+"""The generation loop: speculative (lossless) DART decoding and the autoregressive baseline.
+
+One DART step, as one token's trip reads top to bottom:
+
+1. draft   -- one head forward over the newly accepted real positions + the mask slots
+              (:mod:`dart_client.decoding.draft`), top-k per row;
+2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
+              sampled), its size shrunk near ``max_length`` / ``max_new_tokens``;
+3. verify  -- one target forward over every node (:mod:`dart_client.decoding.verify`);
+4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the
+              accepted nodes' K/V are compacted in place and their taps feed the next draft.
+
+``mode="ar"`` runs plain autoregressive decoding on the same target wrapper, cache, warpers
+and seed handling, so the two are comparable for speed and for losslessness.
+
+Every step's time falls in exactly one stage of :data:`STAGES` (see
+:class:`GenerationResult`); ``verify`` is only the time inside the target's forward call, so
+``step time - verify`` is the cost of everything that is not a target forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from dart_client.decoding.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.config import GenerationConfig
+from dart_client.decoding.draft import DraftRows, draft_rows
+from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
+from dart_client.decoding.prune import TreeBuilder, build_tree
+from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
+from dart_client.decoding.verify import Tree, verify_tree
+from dart_client.errors import ContextTooLongError, EmptyPromptError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from dart_client.models.head import DartHead
+    from dart_client.models.target import TargetModel
+
+#: Keys of :attr:`GenerationResult.timings` (documented there).
+STAGES = ("prefill", "draft", "prune", "inputs", "verify", "accept", "compact", "emit")
+
+#: Tokens of context handed to the pruner: it only reads the last order-1 of them.
+PRUNER_CONTEXT = 8
+
+
+@dataclass
+class GenerationResult:
+    """What a generation produced, and how fast.
+
+    ``tokens`` are the new tokens only (the EOS token included when generation stopped on
+    it, the token completing a stop string included), never more than ``max_new_tokens``;
+    ``text`` is their decoding without special tokens, cut before a stop string.
+    ``accept_lengths`` counts the tokens each step produced (accepted drafts + the bonus,
+    the prefill's first token being step 0's 1); ``tau`` is their mean over the
+    speculative steps, as papers report it.
+
+    ``timings`` (seconds, keys :data:`STAGES`): ``prefill`` is the target's and the head's
+    passes over the prompt and the first token's pick; then, summed over the steps, each
+    step's time in exactly one of
+
+    * ``draft``   -- the head forward over the last step's accepted positions, top-k, the
+      transfer of the rows to the CPU (DART only);
+    * ``prune``   -- the tree builder (the Rust pruner, in-process or remote) and its inputs;
+    * ``inputs``  -- everything around the target's forward call: node ids, positions, the
+      attention mask, the gathered taps;
+    * ``verify``  -- the target's forward call itself (over the tree, or one token for AR);
+    * ``accept``  -- greedy or rejection acceptance (the bonus token's pick for AR);
+    * ``compact`` -- moving the accepted nodes' K/V into place;
+    * ``emit``    -- length/EOS/stop checks and the incremental detokenisation of the step's
+      tokens (the stream consumer's time is not counted).
+
+    ``elapsed - sum(timings)`` is the loop's own bookkeeping, the final text's decoding and,
+    when streaming, the consumer's time between events. All are read from the target's
+    ``clock`` (wall time unless a profile chose otherwise).
+    """
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    accept_lengths: list[int]
+    timings: dict[str, float]
+    elapsed: float
+    finish_reason: str  # "eos" | "stop" | "length"
+    mode: str  # "dart" | "ar"
+    tree_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Target forwards after the prefill."""
+        return max(0, len(self.accept_lengths) - 1)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward after the prefill (incl. the bonus token)."""
+        spec = self.accept_lengths[1:]
+        return sum(spec) / len(spec) if spec else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.elapsed if self.elapsed > 0 else 0.0
+
+
+@dataclass
+class StreamEvent:
+    """One step of a streamed generation: new text, new tokens and that step's statistics."""
+
+    text: str
+    tokens: list[int]
+    accept_length: int
+    tree_size: int
+    timings: dict[str, float]
+
+
+class GenerationStream:
+    """Iterator of :class:`StreamEvent`; ``.result`` holds the full result once exhausted."""
+
+    def __init__(self, events: Iterator[StreamEvent | GenerationResult]) -> None:
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        for event in self._events:
+            if isinstance(event, GenerationResult):
+                self.result = event
+            else:
+                yield event
+
+
+class DecodingModel(Protocol):
+    """What the loop reads of a model (``DartModel`` has it all)."""
+
+    target: TargetModel
+    head: DartHead | None
+    tokenizer: Any
+    tree_builder: TreeBuilder | None
+    draft_top_k: int
+    prompt_lookup: PromptLookupConfig | None
+
+    def encode_input(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        input_ids: Any = None,
+    ) -> list[int]: ...
+
+
+def generate(
+    model: DecodingModel,
+    config: GenerationConfig,
+    *,
+    mode: str = "dart",
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    input_ids: Any = None,
+    stream: bool = False,
+) -> GenerationResult | GenerationStream:
+    """The generation loop: ``mode="dart"`` (speculative, lossless) or ``"ar"`` (the baseline).
+
+    Exactly one of ``prompt`` (text), ``messages`` (chat, formatted with the model's template)
+    or ``input_ids`` is given. ``config.tree_budget`` is the resolved node budget (an int, or
+    None for the tree builder's own limit: see ``DartModel.generate``); the room left for new
+    tokens caps it. ``stream=True`` returns a :class:`GenerationStream`.
+    """
+    if mode not in ("dart", "ar"):
+        raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
+    if mode == "dart" and (model.head is None or model.tree_builder is None):
+        raise InvalidArgumentError(
+            "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
+        )
+    if config.tree_budget == "auto":
+        raise InvalidArgumentError(
+            "tree_budget 'auto' is resolved by DartModel.tune() (DartModel.generate does it)"
+        )
+    tree_budget = config.tree_budget if mode == "dart" else None
+    lookup = model.prompt_lookup
+    if config.prompt_lookup is not None:
+        lookup = parse_prompt_lookup(config.prompt_lookup)
+    stops = list(config.stop)
+    if stops and model.tokenizer is None:
+        raise InvalidArgumentError("stop strings need a tokenizer to decode the output")
+    ids = model.encode_input(prompt=prompt, messages=messages, input_ids=input_ids)
+    if not ids:
+        raise EmptyPromptError("the prompt is empty: at least one token is needed")
+    # The target's position limit caps max_length (positions past it are out of distribution).
+    max_length = config.max_length
+    limit = model.target.max_positions
+    bound = "max_length"
+    if limit is not None and max_length > limit:
+        max_length, bound = limit, "the target's max_position_embeddings"
+    if len(ids) >= max_length:
+        raise ContextTooLongError(
+            f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
+            f"new token (raise max_length above {len(ids)} or shorten the prompt)"
+        )
+    run = _Run(
+        model,
+        mode,
+        ids,
+        config.sampling,
+        config.max_new_tokens,
+        max_length,
+        stops,
+        None if tree_budget is None else int(tree_budget),
+        config.seed,
+        lookup if mode == "dart" else None,
+    )
+    if stream:
+        return GenerationStream(run.events())
+    result = None
+    for event in run.events():
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+class _Run:
+    """The state of one generation; ``events()`` drives it step by step."""
+
+    def __init__(
+        self,
+        model: DecodingModel,
+        mode: str,
+        ids: list[int],
+        params: SamplingParams,
+        max_new: int,
+        max_length: int,
+        stops: list[str],
+        tree_budget: int | None,
+        seed: int | None,
+        lookup: PromptLookupConfig | None,
+    ) -> None:
+        self.model = model
+        self.target = model.target
+        self.mode = mode
+        self.prompt = ids
+        self.params = params
+        self.max_new = max_new
+        self.max_length = max_length
+        self.stops = stops
+        self.tree_budget = tree_budget
+        self.device = self.target.device
+        self.generator = make_generator(seed, self.device)
+        self.timings = dict.fromkeys(STAGES, 0.0)
+        self.generated: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.tree_sizes: list[int] = []
+        self.finish: str | None = None
+        self.sync = self.device.type == "cuda"
+        self.emitted_text = ""
+        tokenizer = model.tokenizer
+        self.detok = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.stop_scanned = 0  # characters of self.detok.text already searched for stops
+        self.lookup = lookup
+        self.lookup_index = lookup.new_index() if lookup is not None else None
+        if self.lookup_index is not None:
+            self.lookup_index.extend(ids)
+        self.final_text: tuple[int, str] | None = None  # (tokens decoded, text) of _text()
+
+    def _clock(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return self.target.clock()
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return greedy_token(logits)
+        return sample(target_probs(logits, self.params), self.generator)
+
+    def events(self) -> Iterator[StreamEvent | GenerationResult]:
+        start = self._clock()
+        target = self.target
+        head = self.model.head if self.mode == "dart" else None
+        prompt_len = len(self.prompt)
+        cache = target.new_cache(self.max_length)
+        ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
+        positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
+        logits, taps = target.forward(
+            ids, positions, cache, logits_to_keep=1, taps=head is not None
+        )
+        first = self._pick(logits[0, -1])
+        t = self._clock()
+        step0 = {"prefill": t - start}
+        event = self._emit([first], 1, 0, step0)
+        self._lap(t, "emit", step0)
+        for stage, seconds in step0.items():
+            self.timings[stage] += seconds
+        yield event
+
+        rows: DraftRows | None = None
+        head_cache = None
+        # What the next draft reads: the last forward's taps and the accepted nodes' tokens.
+        pending: tuple[torch.Tensor, list[int], list[int]] | None = None
+        if head is not None and self.finish is None:
+            assert taps is not None
+            t = self._clock()
+            head_cache = head.new_cache(self.max_length + head.config.draft_length)
+            next_ids = torch.tensor(
+                [[*self.prompt[1:], first]], dtype=torch.long, device=self.device
+            )
+            rows = draft_rows(head, head_cache, taps, next_ids, self.model.draft_top_k)
+            # The head's pass over the whole prompt is prefill work, not a per-step draft.
+            self.timings["prefill"] += self._clock() - t
+
+        while self.finish is None:
+            step: dict[str, float] = {}
+            t = self._clock()
+            if pending is not None:
+                assert head is not None and head_cache is not None
+                step_taps, nodes, new = pending
+                index = torch.tensor(nodes, dtype=torch.long, device=self.device)
+                next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+                rows = draft_rows(
+                    head,
+                    head_cache,
+                    step_taps.index_select(1, index),
+                    next_ids,
+                    self.model.draft_top_k,
+                )
+                pending = None
+                t = self._lap(t, "draft", step)
+            room = min(
+                self.max_length - prompt_len - len(self.generated),
+                self.max_new - len(self.generated),
+            )
+            cache_len = cache.length
+            root = self.generated[-1]
+            budget = room - 1  # leaves room for the bonus token
+            if self.tree_budget is not None:
+                budget = min(budget, self.tree_budget)
+            if head is not None and rows is not None and budget > 0:
+                assert self.model.tree_builder is not None
+                context = np.asarray(
+                    self.generated[-PRUNER_CONTEXT:]
+                    if len(self.generated) >= PRUNER_CONTEXT
+                    else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
+                    dtype=np.int64,
+                )
+                path = None
+                index = self.lookup_index
+                if index is not None:
+                    assert self.lookup is not None
+                    index.extend(self.generated[len(index) - prompt_len :])
+                    path = self.lookup.path(index, budget)
+                tree = build_tree(self.model.tree_builder, context, rows, budget, path)
+            else:
+                tree = Tree.root_only(root)
+            t = self._lap(t, "prune", step)
+            logits, taps = (
+                verify_tree(target, cache, tree)
+                if head is not None
+                else self._ar_forward(cache, root)
+            )
+            forward = target.last_forward_seconds
+            t2 = self._clock()
+            step["inputs"] = t2 - t - forward
+            step["verify"] = forward
+            t = t2
+            acc: Acceptance = (
+                accept_greedy(tree, logits)
+                if self.params.greedy
+                else accept_sampling(tree, logits, self.params, self.generator)
+            )
+            t = self._lap(t, "accept", step)
+            cache.keep(cache_len, acc.nodes, self.device)
+            t = self._lap(t, "compact", step)
+            new = acc.new_tokens
+            event = self._emit(new, len(new), len(tree), step)
+            self._lap(t, "emit", step)
+            for stage, seconds in step.items():
+                self.timings[stage] += seconds
+            if self.finish is None and head is not None:
+                assert taps is not None
+                pending = (taps, acc.nodes, new)
+            yield event
+
+        text = self._text()
+        elapsed = self._clock() - start
+        yield GenerationResult(
+            text=text,
+            tokens=list(self.generated),
+            prompt_tokens=prompt_len,
+            accept_lengths=list(self.accept_lengths),
+            timings=dict(self.timings),
+            elapsed=elapsed,
+            finish_reason=self.finish or "length",
+            mode=self.mode,
+            tree_sizes=list(self.tree_sizes),
+        )
+
+    def _lap(self, since: float, stage: str, step: dict[str, float]) -> float:
+        """Book the time from ``since`` to now to ``step[stage]``; returns now (the next
+        stage's start)."""
+        now = self._clock()
+        step[stage] = now - since
+        return now
+
+    def _ar_forward(self, cache: Any, token: int) -> tuple[torch.Tensor, None]:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[cache.length]], dtype=torch.long, device=self.device)
+        logits, _ = self.target.forward(ids, positions, cache, logits_to_keep=1, taps=False)
+        return logits[0], None
+
+    def _emit(
+        self, new: list[int], accept_length: int, tree_size: int, step: dict[str, float]
+    ) -> StreamEvent:
+        """Append a step's tokens, apply the length / EOS / stop limits, make the text delta."""
+        self.accept_lengths.append(accept_length)
+        self.tree_sizes.append(tree_size)
+        before = len(self.generated)
+        limit = min(self.max_new, self.max_length - len(self.prompt))
+        new = new[: limit - before]
+        eos = self.target.eos_token_ids
+        hit = next((i for i, tok in enumerate(new) if tok in eos), None)
+        if hit is not None:
+            new = new[: hit + 1]
+            self.finish = "eos"
+        elif before + len(new) >= limit:
+            self.finish = "length"
+        self.generated.extend(new)
+        delta = ""
+        if self.detok is not None:
+            text = self.detok.update(self.generated)
+            if self.stops:
+                # Only the new text (and the longest stop's reach back into the old) can
+                # hold a stop string that was not there before.
+                scan = max(0, self.stop_scanned - max(map(len, self.stops)) + 1)
+                self.stop_scanned = len(text)
+                found = any(text.find(s, scan) >= 0 for s in self.stops)
+                # The incremental text is the final decoding for every tokenizer we know of;
+                # the last step re-checks the full decoding all the same.
+                if found or self.finish is not None:
+                    cut = self._stop_cut(before if found else 0)
+                    if cut is not None:
+                        self.generated = self.generated[:cut]
+                        self.finish = "stop"
+            text = _hold_back(text, self.stops) if self.finish is None else self._text()
+            # A decoding that rewrote already-streamed text (rare byte merges) is not re-sent.
+            if text.startswith(self.emitted_text):
+                delta = text[len(self.emitted_text) :]
+                self.emitted_text = text
+        return StreamEvent(
+            text=delta,
+            tokens=self.generated[before:],
+            accept_length=accept_length,
+            tree_size=tree_size,
+            timings=step,
+        )
+
+    def _stop_cut(self, before: int) -> int | None:
+        """Smallest token count (> before) whose decoding contains a stop string, if any."""
+        tok = self.model.tokenizer
+        full = tok.decode(self.generated, skip_special_tokens=True)
+        if not any(s in full for s in self.stops):
+            return None
+        for n in range(max(1, before), len(self.generated) + 1):
+            text = tok.decode(self.generated[:n], skip_special_tokens=True)
+            if any(s in text for s in self.stops):
+                return n
+        return len(self.generated)
+
+    def _text(self) -> str:
+        """The full decoding of the output, cut before the first stop string (cached)."""
+        tok = self.model.tokenizer
+        if tok is None:
+            return ""
+        if self.final_text is not None and self.final_text[0] == len(self.generated):
+            return self.final_text[1]
+        text = tok.decode(self.generated, skip_special_tokens=True)
+        if self.stops:
+            cuts = [text.find(s) for s in self.stops if s in text]
+            if cuts:
+                text = text[: min(cuts)]
+        self.final_text = (len(self.generated), text)
+        return text
+
+
+class IncrementalText:
+    """The decoding of a growing token list, a few tokens at a time.
+
+    ``update(tokens)`` decodes only the tokens added since the last complete character, with
+    the previous batch of tokens as left context (tokenizers that strip a leading space or
+    join words with spaces then decode the seam as in the full text), and appends the
+    difference; text ending in an incomplete character waits for the next tokens. A step
+    thus costs two decodes of a few tokens instead of one of the whole output.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._context = 0  # first token of the decode window
+        self._read = 0  # tokens whose text is in self.text
+
+    def update(self, tokens: Sequence[int]) -> str:
+        if len(tokens) <= self._read:
+            return self.text
+        decode = self.tokenizer.decode
+        seen = decode(tokens[self._context : self._read], skip_special_tokens=True)
+        window = decode(tokens[self._context :], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
+            return self.text  # an incomplete character: wait for its remaining bytes
+        if window.startswith(seen):
+            self.text += window[len(seen) :]
+        else:  # the new tokens rewrote the context's text: start over from the full decode
+            self.text = decode(tokens, skip_special_tokens=True)
+        self._context, self._read = self._read, len(tokens)
+        return self.text
+
+
+def _hold_back(text: str, stops: list[str]) -> str:
+    """Withhold a trailing partial character and any suffix that may begin a stop string."""
+    text = text.rstrip("\ufffd")
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                text = text[:-n]
+                break
+    return text

@@ -1,0 +1,96 @@
+"""Tree building: the :class:`TreeBuilder` the generation loop calls, and the pruning backends
+behind it (the Rust pruner in process, ``dart_client.ngram.Pruner``, or served by the n-gram
+daemon, ``dart_client.ngram.RemotePruner``) through one interface, :class:`PruningBackend`."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.verify import Tree
+from dart_client.ngram.pruner import DraftTree, PrunerConfig
+
+__all__ = ["PrunerTreeBuilder", "PruningBackend", "TreeBuilder", "build_tree", "pruner_max_nodes"]
+
+
+@runtime_checkable
+class PruningBackend(Protocol):
+    """What a pruner offers: ``Pruner`` (in process) and ``RemotePruner`` (gRPC) both do. The
+    inputs are coerced by :mod:`dart_client.ngram.inputs` and validated by the Rust core."""
+
+    config: PrunerConfig
+
+    def prune(
+        self,
+        context: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budget: int | None = None,
+        lookup_path: Any = None,
+    ) -> DraftTree: ...
+
+    def prune_batch(
+        self,
+        contexts: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budgets: Any = None,
+        lookup_paths: Any = None,
+    ) -> list[DraftTree]: ...
+
+
+def pruner_max_nodes(pruner: Any) -> int | None:
+    """The ``max_nodes`` of a pruning backend's configuration (None without one)."""
+    config = getattr(pruner, "config", None)
+    value = getattr(config, "max_nodes", None)
+    return None if value is None else int(value)
+
+
+class TreeBuilder(Protocol):
+    """Turns draft rows into a draft tree (the Rust pruner in-process or over gRPC).
+
+    ``lookup_path`` (passed only when the model's ``prompt_lookup`` proposes one): tokens
+    after the root the tree should hold (:mod:`dart_client.decoding.lookup`)."""
+
+    def build(
+        self,
+        context: np.ndarray,
+        rows: DraftRows,
+        budget: int,
+        lookup_path: np.ndarray | None = None,
+    ) -> Tree: ...
+
+
+class PrunerTreeBuilder:
+    """A :class:`TreeBuilder` over any object with the pruner's ``prune`` method."""
+
+    def __init__(self, pruner: PruningBackend) -> None:
+        self.pruner = pruner
+
+    def build(
+        self,
+        context: np.ndarray,
+        rows: DraftRows,
+        budget: int,
+        lookup_path: np.ndarray | None = None,
+    ) -> Tree:
+        tree = self.pruner.prune(
+            context, rows.ids, rows.probs, budget=budget, lookup_path=lookup_path
+        )
+        return Tree.from_draft_tree(tree)
+
+
+def build_tree(
+    builder: TreeBuilder,
+    context: np.ndarray,
+    rows: DraftRows,
+    budget: int,
+    lookup_path: np.ndarray | None,
+) -> Tree:
+    """``builder.build``, passing ``lookup_path`` only when there is one (a builder written
+    before prompt lookup need not take it)."""
+    if lookup_path is None or not lookup_path.size:
+        return builder.build(context, rows, budget)
+    return builder.build(context, rows, budget, lookup_path=lookup_path)

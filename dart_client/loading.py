@@ -1,0 +1,225 @@
+"""Loading the parts of a DartModel from what users name on a command line or in code.
+
+- targets (:func:`load_target`): ``None`` (the embedded SmolLM2-135M-Instruct), a local
+  transformers directory, a hub id, or a ``.gguf`` file;
+- heads (:func:`load_head`): a directory or hub id, ``"random"`` (untrained), ``"auto"`` (the
+  shipped trained head for the embedded target, else random);
+- n-grams (:func:`load_ngram`): a ``.ngram`` file, a ``full``/``small`` directory, a reference
+  ``.trie`` (converted once and cached), a hub id, ``"embedded"`` (the embedded ShareGPT
+  3-gram), or a daemon URL (``grpc://host:port``) through :func:`load_pruner`.
+
+``DartModel.from_pretrained``, ``dart_model.build_model`` (the CLIs, bench and UI) and the
+training CLIs load through here; nothing here parses arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dart_client.errors import InvalidArgumentError, MissingResourceError
+
+__all__ = [
+    "DTYPES",
+    "gguf_unpacked",
+    "load_head",
+    "load_ngram",
+    "load_pruner",
+    "load_target",
+    "torch_dtype",
+]
+
+#: Command-line dtype names (``--dtype``, ``--target-dtype``, ``--head-dtype``).
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+}
+
+#: Files that make a directory a transformers model.
+_MODEL_FILES = ("config.json",)
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """A :data:`DTYPES` name as a torch dtype; ``"auto"`` stays ``"auto"`` (the checkpoint's)."""
+    if name == "auto":
+        return "auto"
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgumentError(f"dtype {name!r}; expected one of {[*DTYPES, 'auto']}") from None
+
+
+def gguf_unpacked() -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that load a GGUF file's weights unpacked into
+    the requested dtype. transformers' GGUF loader unpacks them anyway; saying so spares users
+    its warning that the weights "stay quantized", which it prints although they do not."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # transformers before GgufConfig: always unpacks, says nothing
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def load_target(
+    spec: str | Path | None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_map: Any = None,
+    **hf_kwargs: Any,
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a transformers causal LM, in eval mode.
+
+    ``spec``: None (the embedded SmolLM2), a ``.gguf`` file, a local directory (it must hold a
+    ``config.json``) or a hub id. ``dtype`` and ``device_map`` go to ``from_pretrained``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec is None:
+        from dart_client.embedded import smollm2_gguf
+
+        spec = smollm2_gguf()
+    load_kwargs = dict(hf_kwargs)
+    if dtype is not None:
+        load_kwargs["dtype"] = dtype
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MissingResourceError(f"{path}: GGUF file not found")
+        location, tok_kwargs = str(path.parent), {"gguf_file": path.name}
+        load_kwargs["gguf_file"] = path.name
+        if device_map in (None, "cpu") and "quantization_config" not in load_kwargs:
+            # On the CPU the weights are unpacked into the dtype (the decoding kernels repack
+            # them for oneDNN).
+            load_kwargs.update(gguf_unpacked())
+    else:
+        location, tok_kwargs = str(spec), {}
+        if path.is_dir() and not any((path / f).is_file() for f in _MODEL_FILES):
+            raise MissingResourceError(
+                f"{path}: not a model directory (no {' or '.join(_MODEL_FILES)}); expected a "
+                "transformers model directory, a .gguf file or a hub id"
+            )
+        if path.exists() and not path.is_dir():
+            raise MissingResourceError(
+                f"{path}: not a model (expected a transformers model directory, a .gguf file "
+                "or a hub id)"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(location, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location, **load_kwargs)
+    return model.eval(), tokenizer
+
+
+def load_head(
+    spec: str | Path | None,
+    target_config: Any = None,
+    *,
+    embedded_target: bool = False,
+    double_final_norm: bool | None = None,
+    notes: list[str] | None = None,
+) -> Any:
+    """A :class:`~dart_client.models.head.DartHead`, or None when ``spec`` is None.
+
+    ``spec``: a directory or hub id; ``"random"`` (an untrained head for ``target_config``);
+    ``"auto"`` (the shipped trained head when the target is the embedded one and the head is
+    installed, else random). What was chosen, and why, is appended to ``notes`` (printed to
+    stderr when ``notes`` is None)."""
+    from dart_client.models.head import DartHead
+
+    if spec is None:
+        return None
+    spec = str(spec)
+    if spec == "auto":
+        from dart_client.embedded import SHIPPED_HEAD_DIR
+
+        if embedded_target and (SHIPPED_HEAD_DIR / "model.safetensors").is_file():
+            _note(notes, f"head: {SHIPPED_HEAD_DIR}")
+            spec = str(SHIPPED_HEAD_DIR)
+        else:
+            spec = "random"
+    if spec == "random":
+        if target_config is None:
+            raise InvalidArgumentError("a random head needs the target's config")
+        _note(
+            notes,
+            "head: an untrained random head drafts nothing useful (tau near 1): speedups then "
+            "reflect the overhead, not the method",
+        )
+        vocab = int(target_config.vocab_size)
+        return DartHead.random_init(target_config, draft_vocab_size=min(8192, vocab))
+    return DartHead.from_pretrained(spec, double_final_norm=double_final_norm)
+
+
+def load_ngram(spec: str | Path, *, is_small: bool = False) -> Any:
+    """An n-gram model: ``.ngram`` file, ``full``/``small`` directory, ``.trie``, hub id,
+    ``"embedded"`` (the ShareGPT 3-gram of the embedded default, built once), or a daemon URL
+    (``grpc://``/``grpcs://``: a connected ``RemoteNGram``)."""
+    from dart_client.ngram.model import NGram
+
+    text = str(spec)
+    if text.startswith(("grpc://", "grpcs://")):
+        from dart_client.ngram.remote import connect
+
+        return connect(text)
+    if text == "embedded":
+        from dart_client.ngram.embedded import ensure_ngram
+
+        return NGram.open(str(ensure_ngram().path))
+    p = Path(spec)
+    name = "small" if is_small else "full"
+    if p.is_dir():
+        for candidate in (p / f"{name}.ngram", p / f"{name}.trie"):
+            if candidate.is_file():
+                p = candidate
+                break
+        else:
+            raise MissingResourceError(f"{spec}: no {name}.ngram or {name}.trie in this directory")
+    elif not p.exists():
+        if text.count("/") != 1 or text.startswith((".", "/", "~")):
+            raise MissingResourceError(f"{spec}: no such n-gram model")
+        try:
+            from huggingface_hub import hf_hub_download
+
+            p = Path(hf_hub_download(text, f"{name}.trie"))
+        except Exception as err:  # hub errors vary by version; report what happened
+            raise MissingResourceError(
+                f"{spec}: not a local n-gram model, and downloading {name}.trie failed ({err})"
+            ) from None
+    if p.suffix == ".trie":
+        p = _converted_trie(p)
+    return NGram.open(str(p))
+
+
+def load_pruner(address: str, pruner_config: Any = None) -> Any:
+    """A pruner served by the n-gram daemon (``grpc://host:port``; a bare host:port works)."""
+    from dart_client.ngram.remote import connect
+
+    url = address if "://" in address else f"grpc://{address}"
+    return connect(url).pruner(pruner_config)
+
+
+def _converted_trie(trie: Path) -> Path:
+    """Convert a reference ``.trie`` once; later loads reuse the cached ``.ngram``."""
+    from dart_client.embedded import cache_dir
+    from dart_client.ngram.build import import_dart
+
+    stat = trie.stat()
+    key = hashlib.sha256(f"{trie.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    out = cache_dir() / "imported" / f"{trie.stem}-{key[:16]}.ngram"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        import_dart(str(trie), str(out))
+    return out
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is None:
+        print(f"note: {text}", file=sys.stderr)
+    else:
+        notes.append(text)
