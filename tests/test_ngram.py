@@ -16,10 +16,11 @@ from dart_client.ngram import (
     CorruptModelError,
     NGram,
     NGramError,
+    Pruner,
+    PrunerConfig,
     TokenizerMismatchError,
     TokenOutOfVocabError,
 )
-from dart_client.pruner import Pruner, PrunerConfig
 
 
 def count_corpus(docs: list[list[int]], order: int, eos: int | None) -> Counter[tuple[int, ...]]:
