@@ -63,9 +63,14 @@ pub struct Args {
     /// for the whole model, per daemon; faster lookups when caches are cold).
     #[arg(long, conflicts_with_all = ["populate", "huge_pages"])]
     in_memory: bool,
-    /// Check every section's checksum before serving (reads the whole file).
+    /// Check every invariant too before serving (a full scan; every section's checksum is
+    /// checked at open anyway unless --skip-checksums).
     #[arg(long)]
     verify: bool,
+    /// Check only the header, the section table and the small sections at open, not every
+    /// section's checksum (for models too large to read once at start).
+    #[arg(long, conflicts_with = "verify")]
+    skip_checksums: bool,
     /// After each request, keep polling the sockets this many microseconds before sleeping:
     /// saves the wake-up of an idle CPU (tens of microseconds on many VMs) on every request of
     /// a decode loop, at the price of a busy core while requests keep coming. Serves on one
@@ -178,6 +183,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             lock: args.lock,
             huge_pages: args.huge_pages,
             in_memory: args.in_memory,
+            skip_checksums: args.skip_checksums,
         },
         placement,
         threads: args.threads,

@@ -38,6 +38,7 @@ pub fn ngram_status(err: &NGramError) -> Status {
         }
         NGramError::TokenizerMismatch { .. } => Code::FailedPrecondition,
         NGramError::Corrupt { .. }
+        | NGramError::Changed { .. }
         | NGramError::NotAModel { .. }
         | NGramError::UnsupportedVersion { .. }
         | NGramError::CountOverflow { .. } => Code::DataLoss,
