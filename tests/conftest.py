@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,3 +187,154 @@ def smollm2_bf16() -> tuple[object, object]:
         return load_smollm2(torch.bfloat16)
     except (ImportError, FileNotFoundError) as err:  # pragma: no cover - environment
         pytest.skip(f"SmolLM2 is not installed here: {err}")
+
+
+# ---- tree builders that know the target's continuation ----------------------------------
+
+
+class TrackingBuilder:
+    """A tree builder that knows the whole sequence so far: :func:`generate_tracked` resets
+    ``sequence`` to the prompt and extends it with every streamed token, so ``build`` (called
+    between two events) sees prompt + generated, not only the pruner's short context."""
+
+    def __init__(self) -> None:
+        self.sequence: list[int] = []
+        self.prompt_len = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.sequence) - self.prompt_len
+
+    def check_root(self, context: Any) -> int:
+        root = int(context[-1])
+        assert root == self.sequence[-1], "the builder lost track of the sequence"
+        return root
+
+
+def generate_tracked(
+    generate: Any, dm: Any, builder: TrackingBuilder, *, until: int | None = None, **kwargs: Any
+) -> tuple[list[int], Any]:
+    """Stream ``generate(dm, input_ids=..., **kwargs)`` with ``builder`` as ``dm``'s tree
+    builder, keeping ``builder.sequence`` current. With ``until``, stops once that many
+    tokens are out (result None): a large ``max_new_tokens`` then never cuts the trees
+    that produce them."""
+    dm.tree_builder = builder
+    builder.sequence = list(kwargs["input_ids"])
+    builder.prompt_len = len(builder.sequence)
+    stream = generate(dm, stream=True, **kwargs)
+    for event in stream:
+        builder.sequence.extend(event.tokens)
+        if until is not None and builder.generated >= until:
+            return builder.sequence[builder.prompt_len :], None
+    return builder.sequence[builder.prompt_len :], stream.result
+
+
+class PlantedContinuation(TrackingBuilder):
+    """The tree holds ``truth`` (e.g. ``ar_generate``'s own tokens) from the current position
+    for ``depth`` tokens, then the head's top-1 and top-2 chains as wrong siblings; cut to the
+    budget in creation order (parents first). Greedy decoding then accepts long runs."""
+
+    def __init__(self, truth: Sequence[int], depth: int = 6) -> None:
+        super().__init__()
+        self.truth = list(truth)
+        self.depth = depth
+
+    def build(self, context: Any, rows: Any, budget: int) -> Any:
+        from dart_client.decoding.verify import Tree
+
+        root = self.check_root(context)
+        g = self.generated
+        paths = [self.truth[g : g + self.depth]]
+        paths += [rows.ids[:, j].tolist() for j in range(min(2, rows.ids.shape[1]))]
+        tree = Tree.from_paths(root, [p for p in paths if p])
+        n = min(len(tree), budget + 1)
+        return Tree.build(tree.tokens[:n], tree.parents[:n])
+
+
+class LikeliestSiblings(TrackingBuilder):
+    """Under the root and under each planted node, the ``width`` tokens the target's warped
+    distribution finds likeliest, likeliest first, for ``depth`` levels. Sampling then
+    accepts drafts often, and rejects the first sibling often enough that later siblings
+    are tried and accepted: recursive rejection over siblings runs at every level. The
+    candidates are a function of the prefix, never of the target's draws, so sampling
+    stays lossless. Distributions are cached per prefix."""
+
+    def __init__(self, model: Any, params: Any, width: int = 3, depth: int = 2) -> None:
+        super().__init__()
+        self.model = model
+        self.params = params
+        self.width = width
+        self.depth = depth
+        self.cache: dict[tuple[int, ...], list[int]] = {}
+
+    def likeliest(self, prefix: tuple[int, ...]) -> list[int]:
+        if prefix not in self.cache:
+            import torch
+
+            from dart_client.decoding.sampling import target_probs
+
+            ids = torch.tensor([prefix], device=self.model.device)
+            with torch.no_grad():
+                logits = self.model(ids).logits[0, -1]
+            p = target_probs(logits, self.params)
+            order = torch.argsort(p, descending=True, stable=True)[: self.width]
+            self.cache[prefix] = [int(t) for t in order if float(p[t]) > 0]
+        return self.cache[prefix]
+
+    def build(self, context: Any, rows: Any, budget: int) -> Any:
+        from dart_client.decoding.verify import Tree
+
+        root = self.check_root(context)
+        tokens, parents = [root], [-1]
+        frontier = [(0, tuple(self.sequence))]
+        for _ in range(self.depth):
+            nxt = []
+            for node, prefix in frontier:
+                for tok in self.likeliest(prefix):
+                    tokens.append(tok)
+                    parents.append(node)
+                    nxt.append((len(tokens) - 1, (*prefix, tok)))
+            frontier = nxt
+        n = min(len(tokens), budget + 1)
+        return Tree.build(tokens[:n], parents[:n])
+
+
+def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """Index of the first token where ``got`` and ``want`` differ (None if equal)."""
+    if list(got) == list(want):
+        return None
+    return next(
+        (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+        min(len(got), len(want)),
+    )
+
+
+def top2_margin(model: Any, ids: Sequence[int]) -> tuple[float, float]:
+    """The target's top-2 logit margin after ``ids`` (one plain forward) and the top logit's
+    magnitude (the scale its rounding works at)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1]), float(top[0].abs())
+
+
+def assert_divergence_is_a_near_tie(
+    model: Any, prompt: Sequence[int], got: Sequence[int], want: Sequence[int], ulps: float
+) -> int | None:
+    """Where exactness is not promised: ``got`` may leave ``want`` only where the target's
+    top-2 margin is within ``ulps`` units of its dtype's resolution at the logits' scale.
+    Returns the divergence index (None if equal)."""
+    import torch
+
+    i = first_divergence(got, want)
+    if i is None:
+        return None
+    margin, scale = top2_margin(model, [*prompt, *want[:i]])
+    threshold = ulps * torch.finfo(model.dtype).eps * max(scale, 1.0)
+    assert margin <= threshold, (
+        f"diverges at token {i} where the top-2 margin is {margin:.5f} > {threshold:.5f}: "
+        "not a numerical near-tie"
+    )
+    return i

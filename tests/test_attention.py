@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dart_client import _native
 from dart_client.models.attention import NAME, small_query_attention
+from dart_client.models.native import bf16_bits
 from dart_client.models.target import TargetModel
 
 needs_simd = pytest.mark.skipif(
@@ -161,30 +162,95 @@ def test_a_bf16_tree_forward_gives_one_token_decodings_logits_bit_for_bit(arch: 
         assert torch.equal(tree[0, i], logits[0, 0]), f"node {i} (path {path})"
 
 
-@needs_simd
-def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly() -> None:
-    from conftest import make_tiny_tokenizer
+#: CPU kernel sets a bf16 target can run on: DART's matmul on AMX tiles or AVX-512 (with
+#: DART's tree attention; both promise tree rows bit-identical to one-token decoding), and
+#: the portable path (PyTorch / oneDNN matmuls, float32 small-query attention, SDPA for one
+#: query), which promises equality only up to near-ties.
+KERNEL_BACKENDS = ["amx", "avx512", "portable"]
+
+
+def use_kernels(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route the bf16 target through ``backend`` (skipping visibly where the CPU lacks it)."""
+    from dart_client.models import attention, linear
+
+    if backend == "portable":
+        monkeypatch.setattr(attention, "SIMD_KERNELS", False)
+        monkeypatch.setattr(linear, "_cpu_matmul", "onednn")
+        return
+    have = _native.decoding_matmul_backend()
+    if backend == "amx" and have != "amx":
+        pytest.skip(f"needs AMX-BF16: this CPU's best matmul backend is {have!r}")
+    if not _native.decoding_matmul_simd():
+        pytest.skip("needs AVX-512F/BW/VL, which this CPU lacks")
+    monkeypatch.setattr(linear, "_cpu_matmul", "dart")
+
+    def forced(self: linear.DartMatmul, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
+        self.packed.matmul(
+            rows.view(torch.uint16).numpy(),
+            out.view(torch.uint16).numpy(),
+            None if bias is None else bf16_bits(bias.to(torch.bfloat16)),
+            torch.get_num_threads(),
+            backend=backend,
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    monkeypatch.setattr(linear.DartMatmul, "__call__", forced)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_greedy_dart_on_a_bf16_target_is_its_greedy_decoding_exactly(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tree holds ar_generate's own continuation, so long runs of bf16 nodes are accepted
+    and their K/V compacted: DART's output must be AR's, token for token, on DART's kernels;
+    on the portable path any divergence must sit on a near-tie of the target's logits."""
+    from conftest import (
+        PlantedContinuation,
+        assert_divergence_is_a_near_tie,
+        generate_tracked,
+        make_tiny_tokenizer,
+    )
 
     from dart_client import DartModel, ar_generate, dart_generate
-    from dart_client.decoding.verify import Tree
     from dart_client.models.head import DartHead
 
-    model = make_tiny_target("qwen3", dtype=torch.bfloat16, seed=13)
+    use_kernels(backend, monkeypatch)
+    # A small vocabulary: wider top-2 gaps, so bf16 near-ties (where the portable path may
+    # leave AR) are rarer and long agreed stretches are compared.
+    vocab = 64
+    prompts = 6
+    model = make_tiny_target("qwen3", vocab_size=vocab, dtype=torch.bfloat16, seed=13)
     head = DartHead.random_init(model.config, draft_length=3, seed=2).to(torch.bfloat16)
-    dm = DartModel(model, head, tokenizer=make_tiny_tokenizer())
-
-    class Greedy:
-        """The target's own greedy continuation as the tree: long accepted runs."""
-
-        def build(self, context, rows, budget):  # type: ignore[no-untyped-def]
-            return Tree.from_paths(int(context[-1]), [rows.ids[:, 0].tolist()[: max(budget, 0)]])
-
-    dm.tree_builder = Greedy()
-    for seed in range(4):
-        ids = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(seed))
-        got = dart_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
-        want = ar_generate(dm, input_ids=ids.tolist(), max_new_tokens=40)
-        assert got.tokens == want.tokens
+    dm = DartModel(model, head, tokenizer=make_tiny_tokenizer(vocab))
+    accepted, steps, exact = 0, 0, 0
+    for seed in range(prompts):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, vocab, (11,), generator=g).tolist()
+        want = ar_generate(dm, input_ids=ids, max_new_tokens=40)
+        planted = PlantedContinuation(want.tokens, depth=6)
+        tokens, got = generate_tracked(dart_generate, dm, planted, input_ids=ids, max_new_tokens=40)
+        if backend == "portable":
+            diverged = assert_divergence_is_a_near_tie(model, ids, tokens, want.tokens, 4.0)
+        else:
+            assert tokens == want.tokens, f"prompt {seed}"
+            diverged = None
+        exact += diverged is None
+        # Acceptance over the steps before any divergence (after one, the planted tokens
+        # are no longer the continuation).
+        end = 1  # the prefill's token
+        for length in got.accept_lengths[1:]:
+            end += length
+            if diverged is not None and end > diverged:
+                break
+            accepted += length
+            steps += 1
+    dm.target.close()
+    print(f"{backend}: {exact}/{prompts} identical, {steps} steps compared, {accepted} tokens")
+    # Runs of 3+ tokens per step: compaction after accepted bf16 nodes really runs.
+    assert steps >= 10 and accepted / steps >= 3.0, (steps, accepted)
 
 
 def test_tree_attention_refuses_arrays_that_do_not_fit() -> None:

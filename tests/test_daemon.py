@@ -7,6 +7,7 @@ SmolLM2 tokenizer. Every loop is bounded; every address is 127.0.0.1.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -530,35 +531,268 @@ def test_a_client_killed_mid_call_leaves_the_daemon_healthy(
 def test_sigterm_drains_the_request_in_flight_and_exits_zero(
     model_path: Path, local: NGram
 ) -> None:
-    from dart_client.ngram.pruner import PrunerConfig
+    """Timing-free: the request is held in flight by its client (headers sent, message not
+    yet: a unary method called as client-streaming), the daemon is signalled, and only once it
+    is seen draining (health NOT_SERVING, new connections refused, new calls UNAVAILABLE) is
+    the message sent. The drained tree must equal the in-process one."""
+    import queue
+    import socket
 
-    rng = np.random.default_rng(5)
-    n = 4000
-    ids = rng.integers(0, local.vocab_size - 25, size=(n, 8, 1)) + np.arange(25)
-    probs = np.full(ids.shape, 0.04, dtype=np.float32)
+    from dart_client.ngram.proto import ngram_pb2
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
+
+    ctx, ids, probs = random_draft(local, np.random.default_rng(5))
     with Daemon(model_path, "--threads", "1") as d:
-        r = connect(d.url, timeout=120)
-        result: dict[str, object] = {}
+        channel = grpc.insecure_channel(d.addr)
+        # grpc.health.v1 by hand (two one-field messages): HealthCheckRequest{service},
+        # HealthCheckResponse{status}, NOT_SERVING = 2.
+        service = b"dart.ngram.v1.NGramService"
+        health = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name,
+            response_deserializer=lambda raw: raw[1] if raw[:1] == b"\x08" else 0,
+        )
+        prune = channel.stream_unary(
+            "/dart.ngram.v1.NGramService/Prune",
+            request_serializer=ngram_pb2.PruneRequest.SerializeToString,
+            response_deserializer=ngram_pb2.PruneResponse.FromString,
+        )
+        release: queue.Queue[ngram_pb2.PruneRequest] = queue.Queue()
 
-        def call() -> None:
-            try:
-                result["trees"] = r.pruner(PrunerConfig()).prune_batch([[1, 2]] * n, ids, probs)
-            except BaseException as err:
-                result["error"] = err
+        def body() -> Iterator[ngram_pb2.PruneRequest]:
+            yield release.get(timeout=60)
 
-        t = threading.Thread(target=call)
-        t.start()
-        assert wait_for(lambda: "dart_ngram_in_flight_requests 1" in d.metrics(), timeout=60)
-        rc = d.terminate(timeout=60)
-        t.join(60)
-        assert rc == 0, "".join(d.lines[-20:])
-        assert "error" not in result, result.get("error")
-        trees = result["trees"]
-        assert isinstance(trees, list) and len(trees) == n
+        held = prune.future(body(), timeout=60)
+        assert wait_for(lambda: "dart_ngram_in_flight_requests 1" in d.metrics(), timeout=30)
+        d.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(tuple_addr(d.addr)) != 0
+
+        assert wait_for(refused, timeout=30), "new connections still accepted while draining"
+        assert health(service, timeout=10) == 2, "health is not NOT_SERVING while draining"
+        late = channel.unary_unary(
+            "/dart.ngram.v1.NGramService/Count",
+            request_serializer=ngram_pb2.CountRequest.SerializeToString,
+            response_deserializer=ngram_pb2.CountResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            late(ngram_pb2.CountRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not held.done()
+
+        draft = ngram_pb2.Draft(
+            context=[int(t) for t in ctx],
+            topk_ids=[int(t) for t in ids.ravel()],
+            topk_probs=[float(p) for p in probs.ravel()],
+            levels=ids.shape[0],
+            k=ids.shape[1],
+        )
+        release.put(ngram_pb2.PruneRequest(draft=draft))
+        tree = held.result(timeout=60).tree
+        expected = Pruner(local, PrunerConfig()).prune(ctx, ids, probs)
+        np.testing.assert_array_equal(np.asarray(tree.tokens), expected.tokens)
+        np.testing.assert_array_equal(np.asarray(tree.parents), expected.parents)
+        np.testing.assert_array_equal(np.asarray(tree.scores), expected.scores)
+        assert d.proc.wait(60) == 0, "".join(d.lines[-20:])
+        channel.close()
         messages = d.log_messages()
         assert any("shutdown requested" in m for m in messages), messages
         assert messages[-1] == "stopped"
-        r.close()
+
+
+def tuple_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def test_abuse_leaves_a_correct_client_unchanged(model_path: Path, local: NGram) -> None:
+    """The issue's abuse, bounded: oversized budgets and overrides, hundreds of idle
+    connections and SIGHUPs, while a parallel client's prunes keep equalling the local ones."""
+    import socket
+
+    from dart_client.ngram.pruner import Pruner, PrunerConfig
+
+    rng = np.random.default_rng(17)
+    drafts = [random_draft(local, rng) for _ in range(30)]
+    expected = [Pruner(local, PrunerConfig()).prune(*d) for d in drafts]
+    with Daemon(
+        model_path, "--threads", "2", "--max-connections", "120", "--handshake-timeout", "1"
+    ) as d:
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        rounds = [0]
+
+        def correct_client() -> None:
+            try:
+                with connect(d.url, timeout=30) as r:
+                    pruner = r.pruner(PrunerConfig())
+                    while not stop.is_set():
+                        for draft, want in zip(drafts, expected, strict=True):
+                            assert_same_tree(pruner.prune(*draft), want)
+                        rounds[0] += 1
+            except BaseException as err:
+                errors.append(err)
+
+        t = threading.Thread(target=correct_client)
+        t.start()
+        try:
+            with connect(d.url, timeout=30, retry=RetryPolicy(attempts=1)) as abuser:
+                ctx, ids, probs = random_draft(local, rng, levels=64, k=256)
+                with pytest.raises(DaemonError, match="max_nodes"):
+                    abuser.pruner(PrunerConfig()).prune(ctx, ids, probs, budget=2**32 - 1)
+                for override, limit in (
+                    (PrunerConfig(beam_width=10**7, max_nodes=60), "max_beam_width"),
+                    (PrunerConfig(max_nodes=10**7), "max_nodes"),
+                ):
+                    with pytest.raises(DaemonError, match=limit):
+                        abuser.pruner(override).prune_batch(
+                            [drafts[0][0]] * 4, [drafts[0][1]] * 4, [drafts[0][2]] * 4
+                        )
+            # 300 connections that never speak: beyond the cap and then timed out.
+            idle = []
+            for _ in range(300):
+                s = socket.socket()
+                s.settimeout(5)
+                try:
+                    s.connect(tuple_addr(d.addr))
+                except OSError:
+                    s.close()
+                    continue
+                idle.append(s)
+            # One at a time: signals that arrive together are delivered once.
+            for n in range(1, 4):
+                d.proc.send_signal(signal.SIGHUP)
+                assert wait_for(
+                    lambda n=n: d.log_messages().count("model reloaded") == n, timeout=60
+                ), d.lines[-10:]
+            assert wait_for(lambda: "dart_ngram_connections_open 1\n" in d.metrics(), timeout=30), (
+                "idle connections were never closed"
+            )
+            for s in idle:
+                s.close()
+            metrics = d.metrics()
+            assert "dart_ngram_connections_refused_total 0" not in metrics
+            assert "dart_ngram_connections_timed_out_total 0" not in metrics
+        finally:
+            stop.set()
+            t.join(120)
+        assert not errors, errors
+        assert rounds[0] >= 1
+        assert d.alive()
+        assert d.terminate(timeout=60) == 0
+
+
+def test_sighup_refuses_a_model_of_another_order(
+    model_path: Path, tmp_path: Path, smollm2_tokenizer_dir: Path, local: NGram
+) -> None:
+    import shutil
+
+    served = tmp_path / "served.ngram"
+    shutil.copy(model_path, served)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in sharegpt_texts(50)))
+    order2 = tmp_path / "order2.ngram"
+    subprocess.run(
+        [
+            str(dart_ngram_binary()),
+            "build",
+            "--input",
+            str(corpus),
+            "--tokenizer",
+            str(smollm2_tokenizer_dir / "tokenizer.json"),
+            "--order",
+            "2",
+            "--output",
+            str(order2),
+            "--quiet",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    with Daemon(served) as d, connect(d.url, timeout=30) as r:
+        before = r.prob([1, 2], [3, 4])
+        (tmp_path / "new.ngram").write_bytes(order2.read_bytes())
+        (tmp_path / "new.ngram").replace(served)
+        d.proc.send_signal(signal.SIGHUP)
+        assert wait_for(
+            lambda: any(m.startswith("reload refused") for m in d.log_messages()), timeout=60
+        ), d.lines[-10:]
+        refused = next(x for x in d.logs if x.get("message", "").startswith("reload refused"))
+        assert "order 3 -> 2" in str(refused.get("reason")), refused
+        assert r.order == 3
+        after = r.prob([1, 2], [3, 4])
+        np.testing.assert_array_equal(after[0], before[0])
+        assert d.alive()
+
+
+def test_tls_round_trip_through_a_tls_proxy(
+    daemon: Daemon, local: NGram, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``grpcs://`` to the daemon through a TLS-terminating proxy (what docs/daemon.md
+    recommends), with a CA and a server certificate generated here by the ``openssl`` CLI."""
+    import asyncio
+    import shutil
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed (needed to generate the certificates)")
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=dart test CA")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+            "-subj", "/CN=localhost")  # fmt: skip
+    openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "srv.pem", "-days", "1", "-extfile", "ext.cnf")  # fmt: skip
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "srv.pem", tmp_path / "srv.key")
+    context.set_alpn_protocols(["h2"])
+    upstream = tuple_addr(daemon.addr)
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(*upstream)
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw))
+
+    # The refused handshake below is expected: keep the loop from reporting it.
+    loop.set_exception_handler(lambda _loop, _context: None)
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0, ssl=context))
+    port = [server.sockets[0].getsockname()[1]]
+    proxy = threading.Thread(target=loop.run_forever, daemon=True)
+    proxy.start()
+    try:
+        # The client trusts the generated CA through the platform's trust-store variable.
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+        with connect(f"grpcs://localhost:{port[0]}", timeout=30) as r:
+            assert r.fingerprint == local.fingerprint
+            got = r.prob([1, 2], [3, 4, 5])
+            want = local.prob([1, 2], [3, 4, 5])
+            np.testing.assert_array_equal(got[0], want[0])
+        # Without the CA the certificate is refused: TLS is really checked.
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ext.cnf"))
+        with pytest.raises(DaemonError):
+            connect(f"grpcs://localhost:{port[0]}", timeout=3, retry=RetryPolicy(attempts=1))
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        proxy.join(10)
 
 
 def test_an_idle_connected_client_does_not_hold_up_the_drain(model_path: Path) -> None:

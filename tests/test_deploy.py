@@ -21,6 +21,9 @@ DAEMONSET = DEPLOY / "k8s" / "daemonset.yaml"
 BUILD_JOB = DEPLOY / "k8s" / "build-job.yaml"
 MERGE_JOB = DEPLOY / "k8s" / "merge-job.yaml"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+WORKER_UNIT = DEPLOY / "systemd" / "dart-worker@.service"
+WORKERS = DEPLOY / "k8s" / "workers.yaml"
+WORKER_DOCKERFILE = DEPLOY / "docker" / "Dockerfile.worker"
 PROTO = REPO / "proto" / "dart" / "ngram" / "v1" / "ngram.proto"
 
 
@@ -80,22 +83,30 @@ def of_kind(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
-def dockerfile_image() -> str:
+def dockerfile_image(dockerfile: Path = DOCKERFILE) -> str:
     """The image name the Dockerfile's build command tags."""
-    m = re.search(r"docker build .*-t (\S+) \.", DOCKERFILE.read_text())
-    assert m, f"{DOCKERFILE}: no `docker build ... -t IMAGE .` line"
+    m = re.search(r"docker build .*-t (\S+) \.", dockerfile.read_text())
+    assert m, f"{dockerfile}: no `docker build ... -t IMAGE .` line"
     return m.group(1)
+
+
+@cache
+def serve_flags() -> frozenset[str]:
+    """The long flags of ``dart serve`` (its real argument parser)."""
+    app = pytest.importorskip("dart_client.apps.serve.app", reason="needs the `serve` extra")
+    parser = app.build_parser()
+    return frozenset(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
 
 
 # -- systemd ----------------------------------------------------------------------------------
 
 
-def unit_entries() -> dict[str, dict[str, list[str]]]:
+def unit_entries(unit: Path = UNIT) -> dict[str, dict[str, list[str]]]:
     """The unit file as section -> key -> values (continuation lines joined)."""
     sections: dict[str, dict[str, list[str]]] = {}
     current: dict[str, list[str]] | None = None
     pending = ""
-    for raw in UNIT.read_text().splitlines():
+    for raw in unit.read_text().splitlines():
         line = pending + raw.strip()
         pending = ""
         if line.endswith("\\"):
@@ -106,7 +117,7 @@ def unit_entries() -> dict[str, dict[str, list[str]]]:
         if line.startswith("["):
             current = sections.setdefault(line.strip("[]"), {})
             continue
-        assert current is not None, f"{UNIT}: {line!r} outside a section"
+        assert current is not None, f"{unit}: {line!r} outside a section"
         key, _, value = line.partition("=")
         current.setdefault(key.strip(), []).append(value.strip())
     return sections
@@ -131,6 +142,8 @@ def test_systemd_unit_runs_serve_with_real_flags_and_hardening() -> None:
     if "--lock" in argv:
         assert service["LimitMEMLOCK"] == ["infinity"]
     assert service["KillSignal"] == ["SIGTERM"]
+    # SIGHUP reloads the model (the daemon watches it; by default it would kill the process).
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
@@ -265,3 +278,117 @@ def test_dockerfile_builds_the_binary_the_manifests_run() -> None:
     user = next(line for line in lines if line.startswith("USER "))
     uid = int(user.split()[1].split(":")[0])
     assert ds["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid
+
+
+# -- the GPU workers (dart serve) -----------------------------------------------------------------
+
+
+def test_worker_unit_runs_dart_serve_against_the_daemon_unit() -> None:
+    unit = unit_entries(WORKER_UNIT)
+    service = unit["Service"]
+    argv = shlex.split(service["ExecStart"][0])
+    assert Path(argv[0]).name == "dart" and argv[1] == "serve"
+    assert flags_of(argv[2:]) <= serve_flags(), flags_of(argv[2:]) - serve_flags()
+    # The worker reaches the daemon where the daemon's unit listens, and starts after it.
+    daemon = shlex.split(unit_entries(UNIT)["Service"]["ExecStart"][0])
+    assert flag_value(argv, "--ngram-server") == flag_value(daemon, "--listen")
+    assert unit["Unit"]["Requires"] == [UNIT.name]
+    assert UNIT.name in unit["Unit"]["After"][0].split()
+    # One instance per GPU: %i picks the device and the port.
+    assert "CUDA_VISIBLE_DEVICES=%i" in service["Environment"][0].split()
+    assert flag_value(argv, "--port") == "800%i"
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    for path in ("--base", "--head"):
+        assert Path(flag_value(argv, path)).is_relative_to(service["ReadOnlyPaths"][0])
+    grace = float(flag_value(argv, "--shutdown-grace"))
+    assert float(service["TimeoutStopSec"][0]) > grace
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert service["DynamicUser"] == ["yes"] and service["NoNewPrivileges"] == ["yes"]
+
+
+def test_worker_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian package `systemd`)")
+    dart = shutil.which("dart") or shutil.which("python3")
+    assert dart is not None
+    # An instance of the template; ExecStart pointed at an existing executable, the daemon
+    # unit it requires beside it.
+    text = WORKER_UNIT.read_text().replace("/opt/dart/bin/dart", dart)
+    copy = tmp_path / "dart-worker@0.service"
+    copy.write_text(text)
+    daemon = UNIT.read_text().replace("/usr/local/bin/dart-ngram", str(dart_ngram_binary()))
+    (tmp_path / UNIT.name).write_text(daemon)
+    res = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    complaints = [line for line in res.stderr.splitlines() if "dart-worker" in line]
+    assert res.returncode == 0 and not complaints, res.stderr
+
+
+def test_worker_deployment_requests_gpus_probes_health_and_uses_the_daemon() -> None:
+    docs = load_docs(WORKERS)
+    deployment = of_kind(docs, "Deployment")
+    svc = of_kind(docs, "Service")
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    daemonset = of_kind(load_docs(DAEMONSET), "DaemonSet")
+    assert deployment["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == dockerfile_image(WORKER_DOCKERFILE)
+    assert container["image"].endswith(":" + workspace_version())
+    args = container["args"]
+    assert args[0] == "serve"
+    assert flags_of(args) <= serve_flags(), flags_of(args) - serve_flags()
+    # The daemon's Service, in the daemon's namespace, on its gRPC port.
+    daemon_svc = of_kind(load_docs(DAEMONSET), "Service")
+    host, port = flag_value(args, "--ngram-server").rsplit(":", 1)
+    ns = daemon_svc["metadata"]["namespace"]
+    assert host == f"{daemon_svc['metadata']['name']}.{ns}.svc"
+    assert int(port) in {p["port"] for p in daemon_svc["spec"]["ports"] if p["name"] == "grpc"}
+    http = int(flag_value(args, "--port"))
+    assert flag_value(args, "--host") == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": http}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": http}, probe
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == http
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    for part in ("requests", "limits"):
+        assert int(container["resources"][part]["nvidia.com/gpu"]) >= 1, part
+    assert flag_value(args, "--device").startswith("cuda")
+    # The API key comes from a Secret through the variable `dart serve` reads.
+    env = {e["name"]: e for e in container["env"]}
+    assert "secretKeyRef" in env["DART_API_KEY"]["valueFrom"]
+    mounts = {m["name"]: Path(m["mountPath"]) for m in container["volumeMounts"]}
+    for flag in ("--base", "--head"):
+        assert any(Path(flag_value(args, flag)).is_relative_to(p) for p in mounts.values())
+    grace = float(flag_value(args, "--shutdown-grace"))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > grace
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["targetPort"] == "http" and svc_port["port"] == http
+
+
+def test_worker_dockerfile_builds_the_package_the_deployment_runs() -> None:
+    text = WORKER_DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    assert len([line for line in lines if line.startswith("FROM ")]) == 2
+    for line in lines:
+        if line.startswith("COPY ") and "--from=" not in line:
+            *sources, _dest = line.split()[1:]
+            for src in sources:
+                assert (REPO / src).exists(), f"{WORKER_DOCKERFILE}: COPY {src}: no such path"
+    assert "maturin build --release --locked" in text
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^name = "dart-client"$', pyproject, re.M)
+    assert re.search(r"^serve = \[", pyproject, re.M), "the `serve` extra the image installs"
+    assert "[serve,gguf]" in text
+    assert re.search(r'^dart = "dart_client\.apps\.cli:main"$', pyproject, re.M)
+    entry = next(line for line in lines if line.startswith("ENTRYPOINT"))
+    assert entry.endswith('["dart"]')
+    exposed = {int(p) for line in lines if line.startswith("EXPOSE ") for p in line.split()[1:]}
+    deployment = of_kind(load_docs(WORKERS), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert {p["containerPort"] for p in container["ports"]} <= exposed
+    user = next(line for line in lines if line.startswith("USER "))
+    uid = int(user.split()[1].split(":")[0])
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_target, make_tiny_tokenizer
+from conftest import (
+    TINY_EOS,
+    TINY_VOCAB,
+    LikeliestSiblings,
+    generate_tracked,
+    make_tiny_target,
+    make_tiny_tokenizer,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -353,6 +360,34 @@ def test_incremental_text_of_word_tokens(ids: list[int], cuts: list[int]) -> Non
     check_incremental(tok, ids, cuts)
 
 
+@given(
+    ids=st.lists(
+        st.one_of(st.integers(3, TINY_VOCAB - 1), st.sampled_from([1, TINY_EOS])),
+        min_size=1,
+        max_size=40,
+    ),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=40),
+)
+@settings(max_examples=60, deadline=None)
+def test_incremental_text_across_steps_of_special_tokens_only(
+    ids: list[int], cuts: list[int]
+) -> None:
+    """Steps whose tokens are all special decode to nothing: the words on both sides of them
+    still join as in the full decoding."""
+    check_incremental(WORD_TOKENIZER, ids, cuts)
+
+
+def test_incremental_text_special_step_between_words() -> None:
+    inc = generate_module.IncrementalText(WORD_TOKENIZER)
+    assert inc.update([5]) == "w5"
+    assert inc.update([5, TINY_EOS]) == "w5"
+    assert (
+        inc.update([5, TINY_EOS, 7])
+        == "w5 w7"
+        == WORD_TOKENIZER.decode([5, TINY_EOS, 7], skip_special_tokens=True)
+    )
+
+
 def check_incremental(tok: Any, ids: list[int], cuts: list[int]) -> None:
     """Feeding ``ids`` in batches of ``cuts`` sizes decodes to the full decoding, and the
     text never loses what it had (streamed deltas are final)."""
@@ -495,65 +530,174 @@ def total_variation(counts: Counter, probs: dict[tuple, float], n: int) -> float
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
-@pytest.fixture(scope="module")
-def sampling_setup() -> tuple[DartModel, FullTree, dict[tuple, float]]:
-    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, seed=5, init_range=0.3)
-    model.config.eos_token_id = None
-    model.generation_config.eos_token_id = None
-    head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
-    head = head.to(model.device)
-    builder = FullTree(width=3, depth=2)
-    dm = DartModel(model, head, tree_builder=builder)
-    assert not dm.target.eos_token_ids
-    return dm, builder, exact_joint(model, PROMPT, 3, PARAMS)
-
-
-def sample_many(dm: DartModel, n: int) -> tuple[Counter, list[int]]:
-    counts: Counter = Counter()
-    lengths: list[int] = []
-    for seed in range(n):
-        r = dart_generate(
-            dm,
-            input_ids=PROMPT,
-            max_new_tokens=3,
-            seed=seed,
-            temperature=PARAMS.temperature,
-            top_k=PARAMS.top_k,
-            top_p=PARAMS.top_p,
-        )
-        counts[tuple(r.tokens)] += 1
-        lengths.extend(r.accept_lengths[1:])
-    return counts, lengths
-
-
 N_SAMPLES = 1200
 
 
+class SiblingCounts:
+    """Wraps the acceptance ``generate`` calls and counts, over every sampled step, how
+    often a sibling after the first was tried and accepted (read off the accepted path:
+    reaching child j of a node means its j earlier siblings were rejected; at the path's
+    last node every child was tried and rejected)."""
+
+    def __init__(self, accept: Any) -> None:
+        self.accept = accept
+        self.later_tried = 0
+        self.later_accepted = 0
+        self.drafts_accepted = 0
+        self.depth_two_accepted = 0
+
+    def __call__(self, tree: Tree, logits: torch.Tensor, params: Any, gen: Any) -> Acceptance:
+        acc = self.accept(tree, logits, params, gen)
+        for parent, child in zip(acc.nodes, acc.nodes[1:], strict=False):
+            j = tree.children[parent].index(child)
+            self.later_tried += j
+            self.later_accepted += j > 0
+        self.later_tried += max(0, len(tree.children[acc.nodes[-1]]) - 1)
+        self.drafts_accepted += len(acc.tokens)
+        self.depth_two_accepted += len(acc.tokens) >= 2
+        return acc
+
+
+#: Sampling warpers for the sibling tests: a support of 6 of the 12 tokens keeps the joint
+#: of three tokens at <= 216 cells, so the chi-square test has power at a few thousand runs.
+SIBLING_PARAMS = SamplingParams(temperature=0.8, top_k=6, top_p=0.98)
+SIBLING_SAMPLES = 1200
+COMPARED = 3  # tokens compared: the first comes from prefill, the next from the trees
+
+
+@pytest.fixture(scope="module")
+def sampling_setup() -> tuple[DartModel, LikeliestSiblings, dict[tuple, float]]:
+    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, layers=4, seed=5, init_range=0.3)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
+    builder = LikeliestSiblings(model, SIBLING_PARAMS, width=3, depth=2)
+    dm = DartModel(model, head.to(model.device), tree_builder=builder)
+    assert not dm.target.eos_token_ids
+    return dm, builder, exact_joint(model, PROMPT, COMPARED, SIBLING_PARAMS)
+
+
+def sample_siblings(
+    dm: DartModel, builder: LikeliestSiblings, n: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Counter, SiblingCounts]:
+    """``n`` seeded DART runs, each stopped once ``COMPARED`` tokens are out: with room for
+    64 tokens the length limit never cuts a tree (all 12 nodes are verified every step)."""
+    spy = SiblingCounts(generate_module.accept_sampling)
+    monkeypatch.setattr(generate_module, "accept_sampling", spy)
+    counts: Counter = Counter()
+    p = SIBLING_PARAMS
+    for seed in range(n):
+        tokens, _ = generate_tracked(
+            dart_generate, dm, builder, until=COMPARED, input_ids=PROMPT, max_new_tokens=64,
+            seed=seed, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        )  # fmt: skip
+        counts[tuple(tokens[:COMPARED])] += 1
+    return counts, spy
+
+
+def check_sibling_power(spy: SiblingCounts, n: int) -> None:
+    """What makes the test able to fail: later siblings tried and accepted at both levels."""
+    print(
+        f"later siblings tried {spy.later_tried}, accepted {spy.later_accepted}; "
+        f"drafts accepted {spy.drafts_accepted}, depth-2 paths {spy.depth_two_accepted}"
+    )
+    assert spy.later_tried >= n, "later siblings were hardly tried: the test would be vacuous"
+    assert spy.later_accepted >= n // 5, "later siblings were hardly accepted"
+    assert spy.depth_two_accepted >= n // 5, "the second level was hardly reached"
+
+
 @pytest.mark.usefixtures("one_thread")
-def test_sampling_is_lossless(sampling_setup: Any) -> None:
-    dm, _, exact = sampling_setup
-    counts, lengths = sample_many(dm, N_SAMPLES)
-    assert max(lengths) >= 2, "no draft token was ever accepted: the test would be vacuous"
-    pvalue = chi_square_pvalue(counts, exact, N_SAMPLES)
-    tv = total_variation(counts, exact, N_SAMPLES)
-    print(f"lossless: p={pvalue:.3g} TV={tv:.3f} mean accept={np.mean(lengths):.2f}")
+def test_sampling_is_lossless(sampling_setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    dm, builder, exact = sampling_setup
+    counts, spy = sample_siblings(dm, builder, SIBLING_SAMPLES, monkeypatch)
+    pvalue = chi_square_pvalue(counts, exact, SIBLING_SAMPLES)
+    tv = total_variation(counts, exact, SIBLING_SAMPLES)
+    print(f"lossless: p={pvalue:.3g} TV={tv:.3f}")
+    check_sibling_power(spy, SIBLING_SAMPLES)
     assert pvalue > 1e-3, f"DART samples differ from the target (p={pvalue:.2e}, TV={tv:.3f})"
     # ar_generate with the same warpers samples the same distribution.
-    ar_counts: Counter = Counter(
-        tuple(
-            ar_generate(
-                dm,
-                input_ids=PROMPT,
-                max_new_tokens=3,
-                seed=s,
-                temperature=PARAMS.temperature,
-                top_k=PARAMS.top_k,
-                top_p=PARAMS.top_p,
-            ).tokens
-        )
-        for s in range(400)
-    )
+    p = SIBLING_PARAMS
+    ar_counts: Counter = Counter()
+    for s in range(400):
+        r = ar_generate(
+            dm, input_ids=PROMPT, max_new_tokens=COMPARED, seed=s,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        )  # fmt: skip
+        ar_counts[tuple(r.tokens)] += 1
     assert chi_square_pvalue(ar_counts, exact, 400) > 1e-3
+
+
+def uniform(gen: torch.Generator) -> float:
+    return float(torch.rand((), generator=gen, dtype=torch.float64, device=gen.device))
+
+
+def wrong_sampler(bug: str) -> Any:
+    """Recursive rejection over siblings with one deliberate bug (see WRONG_SAMPLERS)."""
+
+    def accept(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: Any) -> Acceptance:
+        node, nodes, tokens = 0, [0], []
+        while True:
+            p = target_probs(logits[node], params).double()
+            original = p.clone()
+            chosen = None
+            for child in tree.children[node]:
+                x = tree.tokens[child]
+                if float(p[x]) <= 0.0:
+                    continue
+                u = uniform(gen)
+                if bug == "over_acceptance":
+                    ok = u * float(p.sum()) < 1.5 * float(p[x])
+                elif bug == "p_of_x_for_later_siblings":
+                    ok = u < float(original[x])  # not p(x) / the mass left after rejections
+                else:
+                    ok = u * float(p.sum()) < float(p[x])
+                if ok:
+                    chosen = child
+                    break
+                p[x] = 0.0
+            if chosen is None:
+                if bug == "no_residual":  # the bonus from p, rejected tokens included
+                    bonus = int(torch.multinomial(original, 1, generator=gen))
+                elif bug == "unnormalised_residual":
+                    # Inverse CDF of the residual without dividing by its mass: a u past the
+                    # mass left falls on the last token still possible.
+                    cdf = p.cumsum(0)
+                    bonus = int(torch.searchsorted(cdf, torch.tensor(uniform(gen))))
+                    bonus = min(bonus, int(p.nonzero().max()))
+                else:
+                    # Under-accepting siblings can reject the whole support: then from p.
+                    left = p if float(p.sum()) > 0 else original
+                    bonus = int(torch.multinomial(left, 1, generator=gen))
+                return Acceptance(nodes=nodes, tokens=tokens, bonus=bonus)
+            node = chosen
+            nodes.append(node)
+            tokens.append(tree.tokens[node])
+
+    return accept
+
+
+WRONG_SAMPLERS = [
+    "no_residual",
+    "unnormalised_residual",
+    "over_acceptance",
+    "p_of_x_for_later_siblings",
+]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("bug", WRONG_SAMPLERS)
+def test_a_wrong_sampler_is_caught(
+    bug: str, sampling_setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The statistical test of ``test_sampling_is_lossless``, same runs, same threshold
+    side: each deliberately wrong acceptance rule must be rejected."""
+    dm, builder, exact = sampling_setup
+    monkeypatch.setattr(generate_module, "accept_sampling", wrong_sampler(bug))
+    counts, spy = sample_siblings(dm, builder, SIBLING_SAMPLES, monkeypatch)
+    pvalue = chi_square_pvalue(counts, exact, SIBLING_SAMPLES)
+    tv = total_variation(counts, exact, SIBLING_SAMPLES)
+    print(f"{bug}: p={pvalue:.3g} TV={tv:.3f}; later siblings tried {spy.later_tried}")
+    assert pvalue < 1e-6, f"the {bug} variant went unnoticed (p={pvalue:.2e}, TV={tv:.3f})"
 
 
 LOOKUP_PROMPT = [5, 7, 3, 9, 5, 7, 3, 9, 5, 7, 4]
@@ -607,40 +751,6 @@ def test_sampling_with_the_pruner_and_prompt_lookup_is_lossless(
     tv = total_variation(counts, exact, N_SAMPLES)
     print(f"pruner + lookup: p={pvalue:.3g} TV={tv:.3f} accepted drafts={accepted}")
     assert pvalue > 1e-3, f"DART samples differ from the target (p={pvalue:.2e}, TV={tv:.3f})"
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_biased_acceptance_is_caught(sampling_setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Accepting with min(1, p/q) against the draft's q (a classic bug) must fail the test."""
-    dm, builder, exact = sampling_setup
-
-    def biased(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: Any) -> Acceptance:
-        node, nodes, tokens = 0, [0], []
-        while True:
-            p = target_probs(logits[node], params).double()
-            chosen = None
-            for child in tree.children[node]:
-                x = tree.tokens[child]
-                ratio = min(1.0, float(p[x] / p.sum()) / builder.q[child])
-                if (
-                    float(torch.rand((), generator=gen, dtype=torch.float64, device=gen.device))
-                    < ratio
-                ):
-                    chosen = child
-                    break
-                p[x] = 0.0
-            if chosen is None:
-                bonus = int(torch.multinomial(p, 1, generator=gen))
-                return Acceptance(nodes=nodes, tokens=tokens, bonus=bonus)
-            node = chosen
-            nodes.append(node)
-            tokens.append(tree.tokens[node])
-
-    monkeypatch.setattr(generate_module, "accept_sampling", biased)
-    counts, _ = sample_many(dm, N_SAMPLES)
-    pvalue = chi_square_pvalue(counts, exact, N_SAMPLES)
-    print(f"biased: p={pvalue:.3g} TV={total_variation(counts, exact, N_SAMPLES):.3f}")
-    assert pvalue < 1e-6, f"the biased variant went unnoticed (p={pvalue:.2e})"
 
 
 def test_accept_sampling_first_token_is_exact() -> None:

@@ -124,29 +124,34 @@ def test_target_model_packs_by_default_and_close_restores() -> None:
     assert not any("forward" in m.__dict__ for m in linears(model))
 
 
-@needs_onednn
+@pytest.mark.usefixtures("one_thread")
 def test_greedy_dart_on_a_packed_bf16_target_equals_its_ar() -> None:
-    """Packing changes no semantics: DART and AR share the packed layers, and on an fp32
-    target (no near-ties at this scale) their greedy outputs are identical."""
-    model = make_tiny_target("llama", dtype=torch.float32, seed=9)
-    head = DartHead.random_init(model.config, draft_length=3, seed=1)
+    """Packing changes no semantics: DART and AR share the packed bf16 layers; the tree holds
+    AR's own continuation, so long runs of packed bf16 nodes are accepted. With DART's matmul
+    (a row's bits never depend on the rows beside it) the outputs are identical; with
+    oneDNN's, any divergence must sit on a near-tie of the target's logits."""
+    from conftest import PlantedContinuation, assert_divergence_is_a_near_tie, generate_tracked
+
+    packed_dtype(torch.bfloat16)
+    model = make_tiny_target("llama", dtype=torch.bfloat16, seed=9)
+    head = DartHead.random_init(model.config, draft_length=3, seed=1).to(torch.bfloat16)
     dm = DartModel(model, head, tokenizer=make_tiny_tokenizer())
     assert dm.target.packing.layers > 0
-    from dart_client.decoding.verify import Tree
-
-    class Chain:
-        """The head's top-1 chain as the tree (no n-gram model needed)."""
-
-        def build(self, context: Any, rows: Any, budget: int) -> Tree:
-            return Tree.from_paths(int(context[-1]), [rows.ids[:, 0].tolist()[: max(budget, 0)]])
-
-    dm.tree_builder = Chain()
+    accepted = steps = 0
     for seed in range(3):
         prompt = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(seed))
         ids = prompt.tolist()
-        got = dart_generate(dm, input_ids=ids, max_new_tokens=24)
-        want = ar_generate(dm, input_ids=ids, max_new_tokens=24)
-        assert got.tokens == want.tokens
+        want = ar_generate(dm, input_ids=ids, max_new_tokens=24).tokens
+        planted = PlantedContinuation(want, depth=6)
+        got, result = generate_tracked(dart_generate, dm, planted, input_ids=ids, max_new_tokens=24)
+        if SIMD_KERNELS:
+            assert got == want, f"prompt {seed}"
+        elif assert_divergence_is_a_near_tie(model, ids, got, want, 4.0) is not None:
+            continue
+        accepted += sum(result.accept_lengths[1:])
+        steps += result.steps
+    dm.target.close()
+    assert steps >= 5 and accepted / steps >= 3.0, (steps, accepted)
 
 
 def test_kernel_benchmark_times_both_kernel_sets_and_leaves_the_decoding_ones_on() -> None:

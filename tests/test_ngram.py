@@ -16,6 +16,8 @@ from dart_client.ngram import (
     CorruptModelError,
     NGram,
     NGramError,
+    Pruner,
+    PrunerConfig,
     TokenizerMismatchError,
     TokenOutOfVocabError,
 )
@@ -190,6 +192,23 @@ def test_bad_ids(small: tuple[NGram, Counter[tuple[int, ...]]]) -> None:
         ng.count([1, 2, 3, 4])
 
 
+def test_huge_k_is_refused_before_allocating(
+    small: tuple[NGram, Counter[tuple[int, ...]]],
+) -> None:
+    """k beyond the vocabulary, or rows x k beyond the answer cap, is a clear error (it used
+    to abort the process allocating rows x k answers)."""
+    ng, _ = small
+    for k in (9, 10**9):
+        with pytest.raises(NGramError, match="exceeds the vocabulary size 8"):
+            ng.top_k_batch([[1], [2]], k)
+        with pytest.raises(NGramError, match="exceeds the vocabulary size 8"):
+            ng.top_k([1], k)
+    with pytest.raises(NGramError, match="split the batch"):
+        ng.top_k_batch(np.ones((2**23 + 1, 1), dtype=np.int64), 8)
+    ids, probs = ng.top_k_batch([[1], [2]], 8)  # k = vocabulary size is fine
+    assert ids.shape == probs.shape == (2, 8)
+
+
 def test_bad_files(tmp_path: Path) -> None:
     path, _ = write(tmp_path, DOCS, 3, 8)
     data = path.read_bytes()
@@ -205,17 +224,80 @@ def test_bad_files(tmp_path: Path) -> None:
     flipped = bytearray(data)
     flipped[-20] ^= 0xFF
     bad.write_bytes(bytes(flipped))
-    NGram.open(bad)  # O(1) open does not scan the data ...
+    for in_memory in (False, True):  # every section checksum is checked on open
+        with pytest.raises(CorruptModelError, match="checksum"):
+            NGram.open(bad, in_memory=in_memory)
+        with pytest.raises(CorruptModelError, match="checksum"):
+            NGram.open(bad, verify=True, in_memory=in_memory)
+    with pytest.raises(CorruptModelError, match="count-values"):  # a count table: always
+        NGram.open(bad, checksums=False)
+    tokens = next(
+        s for s in NGram.open(path).info()["sections"] if s["kind"] == "tokens" and s["order"] == 3
+    )
+    flipped = bytearray(data)
+    flipped[tokens["offset"]] ^= 0x01
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptModelError, match="tokens of order 3 fails its checksum"):
+        NGram.open(bad)
+    NGram.open(bad, checksums=False)  # a large section: then checked by verify only ...
     with pytest.raises(CorruptModelError, match="checksum"):
-        NGram.open(bad, verify=True)  # ... verify does
-    with pytest.raises(CorruptModelError, match="checksum"):
-        NGram.open(bad, verify=True, in_memory=True)
+        NGram.open(bad, checksums=False).verify()
+    bad.write_bytes(data + b"\0" * 1000)  # ... junk appended is refused either way
+    for checksums in (True, False):
+        with pytest.raises(CorruptModelError, match="1000 bytes after the last section"):
+            NGram.open(bad, checksums=checksums)
     for in_memory in (False, True):
         with pytest.raises(NGramError, match=r"missing\.ngram"):
             NGram.open(tmp_path / "missing.ngram", in_memory=in_memory)
     with pytest.raises(NGramError, match="prefix"):
         NGram.write_counts(tmp_path / "x.ngram", {(1,): 1, (1, 2, 3): 1}, order=3, vocab_size=8)
     assert not (tmp_path / "x.ngram").exists()
+
+
+def test_unigram_bit_flip_is_refused_even_without_checksums(tmp_path: Path) -> None:
+    """One flipped bit of a unigram count used to change probabilities silently; the small
+    sections are checked on every open."""
+    path, _ = write(tmp_path, DOCS, 3, 8)
+    ng = NGram.open(path)
+    assert ng.info()["integrity"] == "checksums"
+    unigrams = next(s for s in ng.info()["sections"] if s["kind"] == "unigram-counts")
+    del ng
+    data = bytearray(path.read_bytes())
+    data[unigrams["offset"]] ^= 0x01
+    path.write_bytes(bytes(data))
+    for checksums in (True, False):
+        with pytest.raises(CorruptModelError, match="unigram-counts of order 1 fails its checksum"):
+            NGram.open(path, checksums=checksums)
+
+
+def test_a_file_rewritten_in_place_fails_clearly(tmp_path: Path) -> None:
+    """A mapped model whose file is rewritten in place reports it instead of reading the new
+    bytes (or dying of SIGBUS); an in-memory copy keeps answering; a rename is safe."""
+    path, counts = write(tmp_path, DOCS, 3, 8)
+    data = path.read_bytes()
+    mapped, copied = NGram.open(path), NGram.open(path, in_memory=True)
+    other, _ = write(tmp_path, DOCS[:1], 3, 8, name="other.ngram")
+    other.replace(path)  # renamed over it: the mapping keeps the old file
+    assert mapped.count([1, 2]) == counts[(1, 2)]
+    mapped = NGram.open(path)
+    pruner = Pruner(mapped, PrunerConfig(top_k=2, beam_width=2, max_nodes=4))
+    ids, probs = np.array([[3, 4]]), np.array([[0.6, 0.4]], dtype=np.float32)
+    pruner.prune([1, 2], ids, probs)
+    with path.open("r+b") as f:  # rewritten in place, as `cp` over it does
+        f.truncate(len(data) // 2)
+    with pytest.raises(CorruptModelError, match="modified in place"):
+        pruner.prune([1, 2], ids, probs)
+    for query in (
+        lambda m: m.count([1, 2]),
+        lambda m: m.prob([1, 2], [3]),
+        lambda m: m.top_k([1], 2),
+        lambda m: m.top_k_batch([[1]], 2),
+        lambda m: m.prob_batch([[1, 2]], [[3]]),
+    ):
+        with pytest.raises(CorruptModelError, match="modified in place"):
+            query(mapped)
+        query(copied)
+    assert copied.count([1, 2]) == counts[(1, 2)]
 
 
 def test_merge_equals_the_whole(tmp_path: Path) -> None:
@@ -231,6 +313,13 @@ def test_merge_equals_the_whole(tmp_path: Path) -> None:
     NGram.write_counts(other, dict(counts), order=3, vocab_size=8, eos_id=7, fingerprint="cd" * 32)
     with pytest.raises(TokenizerMismatchError):
         NGram.merge([a, other], tmp_path / "bad.ngram")
+    a_bytes = a.read_bytes()
+    with pytest.raises(NGramError, match="the output is the input"):
+        NGram.merge([a, b], a)
+    (tmp_path / "link.ngram").hardlink_to(a)
+    with pytest.raises(NGramError, match="the output is the input"):
+        NGram.merge([b, a], tmp_path / "link.ngram")
+    assert a.read_bytes() == a_bytes
 
 
 def test_queries_run_in_parallel_threads(small: tuple[NGram, Counter[tuple[int, ...]]]) -> None:

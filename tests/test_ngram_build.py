@@ -247,8 +247,15 @@ def test_bad_input_errors_name_file_and_line(tmp_path: Path) -> None:
         build([p], out, vocab_size=4, eos_id=1, no_eos=True)
     with pytest.raises(NGramError, match="memory"):
         build([p], out, vocab_size=4, no_eos=True, memory="lots")
-    report = build([p], out, vocab_size=4, no_eos=True, skip_bad_lines=True)
+    with pytest.raises(NGramError, match=r"every line was malformed.*--allow-empty"):
+        build([p], out, vocab_size=4, no_eos=True, skip_bad_lines=True)
+    assert not out.exists()
+    report = build([p], out, vocab_size=4, no_eos=True, skip_bad_lines=True, allow_empty=True)
     assert report["skipped_lines"] == 1 and "c.jsonl:1" in report["first_skipped"]
+    assert report["documents"] == 0
+    with pytest.raises(NGramError, match="the output is the input"):
+        build([p], p, vocab_size=4, no_eos=True, skip_bad_lines=True, allow_empty=True)
+    assert p.read_text() == '{"text": "hello"}\n'
     assert parse_memory("2G") == 2 << 30
 
 

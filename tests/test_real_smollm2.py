@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import first_divergence, top2_margin
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
 from dart_client.decoding.draft import DraftRows
@@ -82,14 +83,6 @@ def hf_greedy(model: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def margin_at(model: Any, ids: list[int]) -> tuple[float, float]:
-    """Top-2 logit margin of the target after ``ids``, and the logits' scale."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1]), float(top[0].abs())
-
-
 def check_near_tie(
     model: Any, ids: list[int], got: list[int], want: list[int], dtype: torch.dtype, label: str
 ) -> tuple[int, float, float] | None:
@@ -97,11 +90,9 @@ def check_near_tie(
     after asserting that the target's top-2 margin there is a numerical near-tie."""
     if got == want:
         return None
-    i = next(
-        (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-        min(len(got), len(want)),
-    )
-    margin, scale = margin_at(model, ids + want[:i])
+    i = first_divergence(got, want)
+    assert i is not None
+    margin, scale = top2_margin(model, ids + want[:i])
     resolution = torch.finfo(dtype).eps * max(scale, 1.0)
     assert margin <= TIE_ULPS[dtype] * resolution, (
         f"{dtype}: {label!r} diverges at token {i} with a top-2 margin of {margin:.4f} "
@@ -154,42 +145,111 @@ def test_smollm2_bf16_greedy_matches_transformers(smollm2_bf16: Any) -> None:
     check_dtype(smollm2_bf16, torch.bfloat16)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_smollm2_dart_with_real_pruner_and_ngram(smollm2_bf16: Any, tmp_path: Any) -> None:
-    """End to end with the Rust pruner over an n-gram built from real ShareGPT text."""
+@pytest.fixture(scope="module")
+def sharegpt_ngram(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A 3-gram over the first 300 real ShareGPT conversations, SmolLM2's tokenizer."""
     pytest.importorskip("dart_client.ngram.pruner")
     ngram_build = pytest.importorskip("dart_client.ngram.build")
-    from conftest import export_smollm2_tokenizer, sharegpt_texts
-
-    from dart_client.ngram import NGram
-
-    model, tok = smollm2_bf16
-    corpus = tmp_path / "corpus.jsonl"
     import json
 
+    from conftest import export_smollm2_tokenizer, sharegpt_texts
+
+    from dart_client.embedded import smollm2_eos_id
+    from dart_client.ngram import NGram
+
+    root = tmp_path_factory.mktemp("sharegpt-ngram")
+    corpus = root / "corpus.jsonl"
     with corpus.open("w") as f:
         for text in sharegpt_texts(300):
             f.write(json.dumps({"text": text}) + "\n")
-    out = tmp_path / "sharegpt.ngram"
+    out = root / "sharegpt.ngram"
     ngram_build.build(
         [str(corpus)],
         str(out),
         tokenizer=str(export_smollm2_tokenizer() / "tokenizer.json"),
         order=3,
-        eos_id=tok.eos_token_id,
+        eos_id=smollm2_eos_id(),
     )
-    head = DartHead.random_init(model.config, draft_length=7, draft_vocab_size=8192, seed=0)
-    dm = DartModel(model, head, tokenizer=tok, ngram=NGram.open(str(out)))
-    matched = 0
-    for text in PROMPTS[:5]:
-        ids = tok(
+    return NGram.open(str(out))
+
+
+def exact_is_promised(dtype: torch.dtype) -> bool:
+    """Where the README promises greedy DART == greedy AR bit for bit: bf16 on DART's own
+    CPU kernels (a tree row is computed exactly as that token alone). Elsewhere (fp32, bf16
+    without AVX-512) a one-token step and a tree take different kernels (SDPA vs the float32
+    small-query attention, oneDNN / PyTorch matmuls per row count), so only near-ties may
+    differ."""
+    from dart_client.models.native import SIMD_KERNELS
+
+    return dtype == torch.bfloat16 and SIMD_KERNELS
+
+
+def compare_with_ar(
+    dm: DartModel, model: Any, dtype: torch.dtype, prompts: list[str], max_new: int
+) -> tuple[int, list[Any], list[Any]]:
+    """DART and AR greedy on each prompt: (identical count, divergences, DART results);
+    every divergence is asserted to be a near-tie of the target's logits."""
+    matched, report, results = 0, [], []
+    for text in prompts:
+        ids = dm.tokenizer(
             dm.template.format(messages=[{"role": "user", "content": text}]),
             add_special_tokens=False,
         )["input_ids"]
-        got = dart_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
-        ar = ar_generate(dm, input_ids=ids, max_new_tokens=MAX_NEW)
+        got = dart_generate(dm, input_ids=ids, max_new_tokens=max_new)
+        ar = ar_generate(dm, input_ids=ids, max_new_tokens=max_new)
         assert max(got.tree_sizes[1:], default=1) > 1
-        matched += check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
-    dm.target.close()
-    print(f"\nSmolLM2 bf16 with the real pruner: {matched}/5 identical to AR")
-    assert matched >= 1
+        divergence = check_near_tie(model, ids, got.tokens, ar.tokens, dtype, text)
+        matched += divergence is None
+        if divergence is not None:
+            report.append((text, *divergence))
+        results.append(got)
+    return matched, report, results
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_smollm2_dart_with_real_pruner_and_ngram(
+    dtype: torch.dtype, sharegpt_ngram: Any, request: pytest.FixtureRequest
+) -> None:
+    """End to end with the Rust pruner over an n-gram built from real ShareGPT text: 5/5
+    identical to AR where exactness is promised, else every divergence a near-tie."""
+    model, tok = request.getfixturevalue(
+        "smollm2_bf16" if dtype == torch.bfloat16 else "smollm2_fp32"
+    )
+    head = DartHead.random_init(model.config, draft_length=7, draft_vocab_size=8192, seed=0)
+    dm = DartModel(model, head.to(dtype), tokenizer=tok, ngram=sharegpt_ngram)
+    try:
+        matched, report, _ = compare_with_ar(dm, model, dtype, PROMPTS[:5], MAX_NEW)
+    finally:
+        dm.target.close()
+    print(f"\nSmolLM2 {dtype} with the real pruner: {matched}/5 identical to AR; {report}")
+    if exact_is_promised(dtype):
+        assert matched == 5, f"greedy DART differs from AR on {5 - matched} prompts: {report}"
+
+
+#: tau of the shipped head on these prompts (bf16, the 300-conversation 3-gram, default
+#: tree, up to 48 tokens) measured 2.48 (greedy: the same on any CPU up to near-ties); a
+#: random head (seed 0) gets 1.12 in the same setup.
+SHIPPED_TAU_FLOOR = 1.8
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_shipped_head_end_to_end(smollm2_bf16: Any, sharegpt_ngram: Any) -> None:
+    """The head shipped in the package, loaded as users load it, drafts for the real target:
+    a sensible acceptance (a wrong layout, stale weights or a broken draft path fall to a
+    random head's ~1.1), and greedy output equal to AR up to near-ties."""
+    from dart_client.embedded import shipped_head
+
+    model, tok = smollm2_bf16
+    head = DartHead.from_pretrained(shipped_head())
+    dm = DartModel(model, head, tokenizer=tok, ngram=sharegpt_ngram)
+    try:
+        matched, report, results = compare_with_ar(dm, model, torch.bfloat16, PROMPTS[:5], 48)
+    finally:
+        dm.target.close()
+    steps = sum(r.steps for r in results)
+    tau = sum(sum(r.accept_lengths[1:]) for r in results) / steps
+    print(f"\nshipped head: tau {tau:.2f} over {steps} steps; {matched}/5 identical to AR")
+    assert tau >= SHIPPED_TAU_FLOOR, f"the shipped head accepts too little: tau {tau:.2f}"
+    if exact_is_promised(torch.bfloat16):
+        assert matched == 5, report

@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dart_client.apps.bench.cli:main",
         "benchmark DART against the baselines (dart-bench)",
     ),
+    "serve": ("dart_client.apps.serve.app:serve_main", "an OpenAI-compatible HTTP server"),
 }
 
 

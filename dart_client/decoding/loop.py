@@ -572,7 +572,12 @@ class IncrementalText:
             self.text += window[len(seen) :]
         else:  # the new tokens rewrote the context's text: start over from the full decode
             self.text = decode(tokens, skip_special_tokens=True)
-        self._context, self._read = self._read, len(tokens)
+        if window != seen:
+            self._context = self._read
+        # else: the new tokens decode to nothing (special tokens only): the window keeps its
+        # text as left context, else the next seam would be decoded after no text at all
+        # (a leading space stripped, words not joined).
+        self._read = len(tokens)
         return self.text
 
 

@@ -53,6 +53,7 @@ def build(
     vocab_size: int | None = None,
     tmp_dir: StrPath | None = None,
     skip_bad_lines: bool = False,
+    allow_empty: bool = False,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Counts the 1..``order``-grams of a corpus into a model file.
@@ -73,6 +74,7 @@ def build(
             (default: ``eos_token`` of the ``tokenizer_config.json`` beside the tokenizer).
         vocab_size: vocabulary size (default: the tokenizer's highest id + 1).
         skip_bad_lines: count malformed lines instead of failing on the first.
+        allow_empty: write a model even when no document was counted (otherwise an error).
         progress: draw a progress bar on stderr (when it is a terminal).
 
     Returns:
@@ -95,6 +97,7 @@ def build(
         vocab_size=vocab_size,
         tmp_dir=None if tmp_dir is None else os.fspath(tmp_dir),
         skip_bad_lines=skip_bad_lines,
+        allow_empty=allow_empty,
         progress=progress,
     )
 

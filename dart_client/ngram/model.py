@@ -1,10 +1,11 @@
 """The n-gram model: exact backoff probabilities, counts and top continuations.
 
-``NGram`` maps a ``.ngram`` file (written by ``dart-ngram build``/``merge``/``import-dart``) in
-O(1) and answers queries in place; the work runs in Rust with the GIL released. Probabilities
-follow the reference's semantics: for a candidate ``c`` after a context, the context is its
-last ``order - 1`` tokens; the longest suffix ``s`` of it such that ``s + c`` was seen gives
-``count(s + c) / count(s)`` and ``matched = len(s)``; if none, ``p = 0`` and ``matched = 0``.
+``NGram`` maps a ``.ngram`` file (written by ``dart-ngram build``/``merge``/``import-dart``),
+checks it (header and every section checksum by default) and answers queries in place; the work
+runs in Rust with the GIL released. Probabilities follow the reference's semantics: for a
+candidate ``c`` after a context, the context is its last ``order - 1`` tokens; the longest
+suffix ``s`` of it such that ``s + c`` was seen gives ``count(s + c) / count(s)`` and ``matched
+= len(s)``; if none, ``p = 0`` and ``matched = 0``.
 No unigram level, no smoothing.
 
 Errors are ``NGramError`` (a ``ValueError``) or one of its subclasses:
@@ -58,10 +59,13 @@ class NGram(_native.NGram):
         lock: bool = False,
         huge_pages: bool = False,
         in_memory: bool = False,
+        checksums: bool = True,
     ) -> NGram:
-        """Maps a model file and checks its header (O(1), no RAM beyond pages touched).
+        """Maps a model file and checks it: header, section table and every section's
+        checksum (one read of the file; ``checksums=False`` checks only the header, the section
+        table and the small sections every query reads, for models too large to read at open).
 
-        ``verify`` also checks every section checksum and invariant (reads the whole file);
+        ``verify`` also checks every invariant (a full scan);
         ``populate`` reads it into the page cache now; ``lock`` pins it in RAM (mlock);
         ``huge_pages`` advises transparent huge pages; ``in_memory`` copies the file into
         anonymous memory on huge pages instead of mapping it (RAM for the whole model; random
@@ -74,6 +78,7 @@ class NGram(_native.NGram):
             lock=lock,
             huge_pages=huge_pages,
             in_memory=in_memory,
+            checksums=checksums,
         )
 
     def prob(

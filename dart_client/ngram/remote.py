@@ -241,8 +241,13 @@ class RemoteNGram:
             except DaemonStatusError as err:
                 code = _STATUS.get(err.args[0], grpc.StatusCode.UNKNOWN)
                 details = str(err.args[1])
-                transient = code == grpc.StatusCode.UNAVAILABLE or (
-                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in details
+                # Every daemon method is a pure read, so a call lost with its connection (a
+                # daemon draining or closing an idle connection: UNAVAILABLE, or tonic's
+                # UNKNOWN "transport error") is safe to send again.
+                transient = (
+                    code == grpc.StatusCode.UNAVAILABLE
+                    or (code == grpc.StatusCode.UNKNOWN and "transport error" in details)
+                    or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in details)
                 )
                 if transient and attempt + 1 < policy.attempts:
                     delay = min(policy.max_backoff, policy.backoff * 2**attempt)

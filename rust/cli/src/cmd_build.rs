@@ -52,6 +52,10 @@ pub struct Args {
     /// Skip and count malformed lines instead of stopping at the first.
     #[arg(long)]
     pub skip_bad_lines: bool,
+    /// Write the model even when no document was counted (an empty corpus, or every line
+    /// skipped); otherwise that is an error.
+    #[arg(long)]
+    pub allow_empty: bool,
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
@@ -104,6 +108,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     o.vocab_size = args.vocab_size;
     o.tmp_dir = args.tmp_dir;
     o.skip_bad_lines = args.skip_bad_lines;
+    o.allow_empty = args.allow_empty;
     o.progress = !args.quiet;
     o.cancel = Some(interrupt_flag());
     let report = build(&o)?;

@@ -4,9 +4,23 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use dart_daemon::linger::Timeouts;
 use dart_daemon::numa::{parse_cpulist, Placement};
+use dart_daemon::service::ServiceLimits;
 use dart_daemon::{DaemonConfig, LogFormat, ServeOptions};
 use dart_ngram::OpenOptions;
+use dart_pruner::PrunerLimits;
+
+/// Seconds from a flag: finite, > 0.
+fn seconds(flag: &str, value: f64) -> Result<Duration, String> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(format!(
+            "--{flag} {value}: expected a number of seconds > 0"
+        ))
+    }
+}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,15 +63,48 @@ pub struct Args {
     /// for the whole model, per daemon; faster lookups when caches are cold).
     #[arg(long, conflicts_with_all = ["populate", "huge_pages"])]
     in_memory: bool,
-    /// Check every section's checksum before serving (reads the whole file).
+    /// Check every invariant too before serving (a full scan; every section's checksum is
+    /// checked at open anyway unless --skip-checksums).
     #[arg(long)]
     verify: bool,
+    /// Check only the header, the section table and the small sections at open, not every
+    /// section's checksum (for models too large to read once at start).
+    #[arg(long, conflicts_with = "verify")]
+    skip_checksums: bool,
     /// After each request, keep polling the sockets this many microseconds before sleeping:
     /// saves the wake-up of an idle CPU (tens of microseconds on many VMs) on every request of
     /// a decode loop, at the price of a busy core while requests keep coming. Serves on one
     /// thread (--threads then sizes only the pool for batched requests). 0 = off.
     #[arg(long, default_value_t = 0, value_name = "MICROS")]
     busy_poll_us: u64,
+    /// Draft levels one prune may carry (more: RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = PrunerLimits::default().max_levels, value_name = "N")]
+    max_levels: usize,
+    /// Candidates per level (k) one prune may carry.
+    #[arg(long, default_value_t = PrunerLimits::default().max_k, value_name = "N")]
+    max_k: usize,
+    /// Largest beam_width a request's configuration may ask for.
+    #[arg(long, default_value_t = PrunerLimits::default().max_beam_width, value_name = "N")]
+    max_beam_width: usize,
+    /// Largest tree (max_nodes or budget) a request may ask for.
+    #[arg(long, default_value_t = PrunerLimits::default().max_nodes, value_name = "N")]
+    max_nodes: usize,
+    /// Paths one prune may score (levels x k x beam width, about; ~60 bytes each).
+    #[arg(long, default_value_t = PrunerLimits::default().max_scored_paths, value_name = "N")]
+    max_scored_paths: usize,
+    /// Entries (rows x k) one TopK request may ask for.
+    #[arg(long, default_value_t = ServiceLimits::default().max_top_k_entries, value_name = "N")]
+    max_top_k_entries: usize,
+    /// Connections open at once; more are closed as soon as they are accepted.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    max_connections: usize,
+    /// Seconds a new connection may take to send its first bytes.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    handshake_timeout: f64,
+    /// Seconds a connection may stay silent (no byte either way) before it is closed; clients
+    /// reconnect on their next call.
+    #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+    idle_timeout: f64,
     /// Seconds a shutdown waits for requests in flight.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     shutdown_grace: f64,
@@ -98,9 +145,36 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    if args.max_concurrent == 0 {
-        return Err("--max-concurrent 0: expected at least 1".into());
+    for (flag, value) in [
+        ("max-levels", args.max_levels),
+        ("max-k", args.max_k),
+        ("max-beam-width", args.max_beam_width),
+        ("max-nodes", args.max_nodes),
+        ("max-scored-paths", args.max_scored_paths),
+        ("max-concurrent", args.max_concurrent),
+        ("max-top-k-entries", args.max_top_k_entries),
+        ("max-connections", args.max_connections),
+    ] {
+        if value == 0 {
+            return Err(format!("--{flag} 0: expected at least 1").into());
+        }
     }
+    let pruner_limits = PrunerLimits {
+        max_levels: args.max_levels,
+        max_k: args.max_k,
+        max_beam_width: args.max_beam_width,
+        max_nodes: args.max_nodes,
+        max_scored_paths: args.max_scored_paths,
+    };
+    pruner_limits.validate().map_err(|e| {
+        e.to_string()
+            .replace("limit max_", "--max-")
+            .replace('_', "-")
+    })?;
+    let timeouts = Timeouts {
+        handshake: seconds("handshake-timeout", args.handshake_timeout)?,
+        idle: seconds("idle-timeout", args.idle_timeout)?,
+    };
     let config = DaemonConfig {
         model: args.model,
         open: OpenOptions {
@@ -109,13 +183,20 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             lock: args.lock,
             huge_pages: args.huge_pages,
             in_memory: args.in_memory,
+            skip_checksums: args.skip_checksums,
         },
         placement,
         threads: args.threads,
         serve: ServeOptions {
             listen: args.listen,
             max_request_bytes: args.max_request_bytes,
-            max_concurrent: args.max_concurrent,
+            limits: ServiceLimits {
+                max_concurrent: args.max_concurrent,
+                pruner: pruner_limits,
+                max_top_k_entries: args.max_top_k_entries,
+            },
+            max_connections: args.max_connections,
+            timeouts,
             metrics_listen: args.metrics_listen,
             shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
             busy_poll: Duration::from_micros(args.busy_poll_us),

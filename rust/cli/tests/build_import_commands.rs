@@ -175,3 +175,49 @@ fn import_dart_converts_a_reference_trie() {
         "{stderr}"
     );
 }
+
+/// The clumsy operator's cases: the corpus as the output, an empty corpus.
+#[test]
+fn build_refuses_its_input_as_output_and_an_empty_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("a.jsonl");
+    let body = "{\"ids\": [1, 2, 3]}\n";
+    std::fs::write(&corpus, body).unwrap();
+    let args = |input: &Path, output: &Path| {
+        vec![
+            "build".to_string(),
+            "-i".into(),
+            s(input).into(),
+            "-o".into(),
+            s(output).into(),
+            "--vocab-size".into(),
+            "8".into(),
+            "--memory".into(),
+            "1M".into(),
+            "--no-eos".into(),
+            "-q".into(),
+        ]
+    };
+    let a = args(&corpus, &corpus);
+    let (ok, _, stderr) = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        !ok && stderr.contains("the output is the input"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&corpus).unwrap(), body);
+
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let out = dir.path().join("m.ngram");
+    let mut a = args(&empty, &out);
+    let (ok, _, stderr) = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        !ok && stderr.contains("no document") && stderr.contains("--allow-empty"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+    a.push("--allow-empty".into());
+    let (ok, _, stderr) = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{stderr}");
+    assert_eq!(NGramModel::open(&out).unwrap().documents(), 0);
+}

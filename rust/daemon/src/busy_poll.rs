@@ -14,9 +14,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::Notify;
+// Tokio's clock: the runtime's (pausable) time, so the window can be tested without timing.
+use tokio::time::Instant;
 
 /// When the last request arrived, and a wake-up for the poller.
 pub struct Activity {
@@ -24,6 +26,8 @@ pub struct Activity {
     /// Nanoseconds after `epoch` of the last request.
     last: AtomicU64,
     wake: Notify,
+    /// Polling rounds so far (each a yield that lets the runtime poll its sockets).
+    rounds: AtomicU64,
 }
 
 impl Activity {
@@ -32,6 +36,7 @@ impl Activity {
             epoch: Instant::now(),
             last: AtomicU64::new(0),
             wake: Notify::new(),
+            rounds: AtomicU64::new(0),
         })
     }
 
@@ -54,6 +59,7 @@ pub async fn poll_while_busy(activity: Arc<Activity>, window: Duration) {
     loop {
         activity.wake.notified().await;
         while activity.idle_for() < window {
+            activity.rounds.fetch_add(1, Ordering::Relaxed);
             tokio::task::yield_now().await;
         }
     }
@@ -63,57 +69,53 @@ pub async fn poll_while_busy(activity: Arc<Activity>, window: Duration) {
 mod tests {
     use super::*;
 
-    /// CPU time of the calling thread (the current-thread runtime's only thread).
-    fn thread_cpu() -> Duration {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: a valid clock id and a valid out-pointer.
-        assert_eq!(
-            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) },
-            0
-        );
-        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    /// Lets every other task run `n` times (the poller, if it polls, counts a round each).
+    async fn yields(n: usize) {
+        for _ in 0..n {
+            tokio::task::yield_now().await;
+        }
     }
 
-    #[tokio::test(flavor = "current_thread")]
+    fn rounds(a: &Activity) -> u64 {
+        a.rounds.load(Ordering::Relaxed)
+    }
+
+    /// Paused time: the clock moves only when the test advances it, so what is checked is the
+    /// poller's logic (polls inside the window, sleeps past it, wakes on a request), not how
+    /// much CPU a shared machine happened to give the thread.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn polls_for_the_window_after_a_request_then_sleeps() {
         let activity = Activity::new();
         let window = Duration::from_millis(60);
         let poller = tokio::spawn(poll_while_busy(Arc::clone(&activity), window));
-        tokio::task::yield_now().await; // the poller now waits for a request
+        yields(10).await;
+        assert_eq!(rounds(&activity), 0, "polled before any request");
 
-        // Inside the window the thread keeps polling (it burns CPU while the test task
-        // sleeps), and other tasks and timers still run.
+        // Inside the window it keeps polling: a round each time it gets the thread.
         activity.touch();
-        let (wall, cpu) = (Instant::now(), thread_cpu());
-        tokio::time::sleep(Duration::from_millis(40)).await;
-        let busy = thread_cpu() - cpu;
+        yields(10).await;
+        let inside = rounds(&activity);
+        assert!(inside >= 5, "only {inside} polling rounds in the window");
+        tokio::time::advance(window / 2).await;
+        yields(10).await;
         assert!(
-            wall.elapsed() < Duration::from_millis(1000),
-            "a timer starved"
-        );
-        assert!(
-            busy >= Duration::from_millis(10),
-            "polled only {busy:?} of 40 ms"
+            rounds(&activity) > inside,
+            "stopped polling inside the window"
         );
 
-        // Past the window it sleeps: next to no CPU while nothing arrives.
-        tokio::time::sleep(window).await;
-        let cpu = thread_cpu();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let idle = thread_cpu() - cpu;
-        assert!(
-            idle < Duration::from_millis(20),
-            "{idle:?} of CPU in 100 ms idle"
-        );
+        // Past the window it sleeps: no round however long nothing arrives.
+        tokio::time::advance(window).await;
+        yields(3).await;
+        let asleep = rounds(&activity);
+        yields(50).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        yields(50).await;
+        assert_eq!(rounds(&activity), asleep, "polled with no request");
 
         // A new request starts it again.
         activity.touch();
-        let cpu = thread_cpu();
-        tokio::time::sleep(Duration::from_millis(40)).await;
-        assert!(thread_cpu() - cpu >= Duration::from_millis(10));
+        yields(10).await;
+        assert!(rounds(&activity) >= asleep + 5);
         poller.abort();
     }
 }

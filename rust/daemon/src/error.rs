@@ -38,6 +38,7 @@ pub fn ngram_status(err: &NGramError) -> Status {
         }
         NGramError::TokenizerMismatch { .. } => Code::FailedPrecondition,
         NGramError::Corrupt { .. }
+        | NGramError::Changed { .. }
         | NGramError::NotAModel { .. }
         | NGramError::UnsupportedVersion { .. }
         | NGramError::CountOverflow { .. } => Code::DataLoss,
@@ -58,6 +59,8 @@ pub fn pruner_status(err: &PrunerError) -> Status {
         | PrunerError::BadProbability { .. }
         | PrunerError::InvalidArgument(_)
         | PrunerError::NonFiniteScore { .. } => Code::InvalidArgument,
+        PrunerError::LimitExceeded { .. } => Code::ResourceExhausted,
+        PrunerError::Cancelled => Code::Cancelled,
         PrunerError::NGram(inner) => return ngram_status(inner),
         PrunerError::Internal(_) | PrunerError::Scorer(_) => Code::Internal,
     };

@@ -13,6 +13,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -28,19 +29,23 @@ pub struct ObserveLayer {
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
     activity: Option<Arc<Activity>>,
+    draining: Arc<AtomicBool>,
 }
 
 impl ObserveLayer {
-    /// `activity`: told of every request when the daemon busy-polls.
+    /// `activity`: told of every request when the daemon busy-polls. `draining`: once true,
+    /// requests that arrive (health checks apart) are answered UNAVAILABLE without running.
     pub fn new(
         metrics: Arc<Metrics>,
         max_request_bytes: usize,
         activity: Option<Arc<Activity>>,
+        draining: Arc<AtomicBool>,
     ) -> Self {
         ObserveLayer {
             metrics,
             max_request_bytes,
             activity,
+            draining,
         }
     }
 }
@@ -54,6 +59,7 @@ impl<S> Layer<S> for ObserveLayer {
             metrics: Arc::clone(&self.metrics),
             max_request_bytes: self.max_request_bytes,
             activity: self.activity.clone(),
+            draining: Arc::clone(&self.draining),
         }
     }
 }
@@ -64,6 +70,12 @@ pub struct Observe<S> {
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
     activity: Option<Arc<Activity>>,
+    draining: Arc<AtomicBool>,
+}
+
+/// Health checks keep answering during a drain (they report NOT_SERVING).
+fn is_health(method: usize) -> bool {
+    METHODS[method].starts_with("/grpc.health.")
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Observe<S>
@@ -71,6 +83,7 @@ where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
+    ResBody: Send + 'static,
 {
     type Response = Response<ObservedBody<ResBody>>;
     type Error = S::Error;
@@ -86,6 +99,25 @@ where
         }
         let method = Metrics::method_index(req.uri().path());
         let mut guard = self.metrics.start(method);
+        if self.draining.load(Ordering::SeqCst) && !is_health(method) {
+            // A request that arrives after the shutdown began is refused with the status
+            // clients retry (on another daemon, or this one once restarted).
+            let code = tonic::Code::Unavailable;
+            guard.set_code(code as usize);
+            let mut response = Response::new(ObservedBody {
+                inner: None,
+                guard: Some(guard),
+            });
+            set_status(
+                &mut response,
+                code,
+                "the daemon is shutting down; retry on another daemon or after its restart",
+            );
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/grpc"));
+            return Box::pin(async move { Ok(response) });
+        }
         let limit = self.max_request_bytes;
         let fut = self.inner.call(req);
         Box::pin(async move {
@@ -138,7 +170,7 @@ where
                 }
             }
             Ok(response.map(|body| ObservedBody {
-                inner: body,
+                inner: Some(body),
                 guard: Some(guard),
             }))
         })
@@ -147,8 +179,9 @@ where
 
 /// A response body that holds its request's [`RequestGuard`] until the last frame (the
 /// trailers, for gRPC) has been taken, the body reports its end, it fails, or it is dropped.
+/// No inner body: a trailers-only response made by the layer itself.
 pub struct ObservedBody<B> {
-    inner: B,
+    inner: Option<B>,
     guard: Option<RequestGuard>,
 }
 
@@ -161,9 +194,13 @@ impl<B: Body + Unpin> Body for ObservedBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let Some(inner) = this.inner.as_mut() else {
+            this.guard = None;
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(&mut *inner).poll_frame(cx);
         let done = match &polled {
-            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || this.inner.is_end_stream(),
+            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || inner.is_end_stream(),
             Poll::Ready(_) => true,
             Poll::Pending => false,
         };
@@ -174,11 +211,13 @@ impl<B: Body + Unpin> Body for ObservedBody<B> {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
 }
 

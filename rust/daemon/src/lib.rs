@@ -144,10 +144,19 @@ pub fn run(config: DaemonConfig) -> Result<()> {
             addr: config.serve.listen.to_string(),
             source,
         })?;
+    raise_file_limit(config.serve.max_connections);
     runtime.block_on(async move {
         let bound = bind(model, config.serve.clone()).await?;
         // Before "listening": whoever reads that line may signal right away.
         let shutdown = server::termination_signal()?;
+        let hangups = server::watch_signal(tokio::signal::unix::SignalKind::hangup(), "SIGHUP")?;
+        tokio::spawn(reload_on_hangup(
+            hangups,
+            bound.server(),
+            bound.metrics(),
+            config.model.clone(),
+            config.open.clone(),
+        ));
         let addr = bound.local_addr();
         if !addr.ip().is_loopback() {
             tracing::warn!(
@@ -165,9 +174,90 @@ pub fn run(config: DaemonConfig) -> Result<()> {
             serving_threads = if busy_poll.is_zero() { threads } else { 1 },
             busy_poll_us = busy_poll.as_micros() as u64,
             max_request_bytes = config.serve.max_request_bytes,
-            max_concurrent = config.serve.max_concurrent,
+            max_concurrent = config.serve.limits.max_concurrent,
+            max_connections = config.serve.max_connections,
+            idle_timeout_secs = config.serve.timeouts.idle.as_secs_f64(),
+            limits = ?config.serve.limits.pruner,
+            max_top_k_entries = config.serve.limits.max_top_k_entries,
             "listening"
         );
         bound.serve(shutdown).await
     })
+}
+
+/// Reopens the model at `path` on every SIGHUP and serves it if it answers for the same
+/// tokenizer, vocabulary, order and EOS (see [`service::NGramServer::reload`]); otherwise, or
+/// if it cannot be opened, logs why and keeps serving the old one.
+async fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
+    server: Arc<service::NGramServer>,
+    metrics: Arc<metrics::Metrics>,
+    path: PathBuf,
+    open: OpenOptions,
+) {
+    while hangups.recv().await.is_some() {
+        tracing::info!(signal = "SIGHUP", path = %path.display(), "reloading the model");
+        let started = Instant::now();
+        let (p, o) = (path.clone(), open.clone());
+        let opened = tokio::task::spawn_blocking(move || NGramModel::open_with(&p, &o)).await;
+        let result = match opened {
+            Ok(Ok(model)) => {
+                let bytes = model.bytes();
+                server.reload(Arc::new(model)).map(|()| bytes)
+            }
+            Ok(Err(err)) => Err(format!("cannot open it: {err}")),
+            Err(err) => Err(format!("the loader failed: {err}")),
+        };
+        match result {
+            Ok(bytes) => {
+                metrics.reloaded(true);
+                metrics.set_model_bytes(bytes);
+                tracing::info!(
+                    bytes,
+                    open_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "model reloaded"
+                );
+            }
+            Err(reason) => {
+                metrics.reloaded(false);
+                tracing::error!(
+                    path = %path.display(),
+                    reason,
+                    "reload refused; still serving the previous model"
+                );
+            }
+        }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit: `--max-connections` sockets plus
+/// the model and listeners must fit (the usual soft limit is 1024). Warns when they cannot.
+fn raise_file_limit(max_connections: usize) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid resource and out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: as above; raising the soft limit up to the hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim = raised;
+        }
+    }
+    let needed = max_connections as u64 + 64;
+    if lim.rlim_cur < needed {
+        tracing::warn!(
+            open_files_limit = lim.rlim_cur,
+            max_connections,
+            "the open-file limit is below --max-connections + 64: raise LimitNOFILE or lower \
+             --max-connections"
+        );
+    }
 }

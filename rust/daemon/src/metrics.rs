@@ -75,6 +75,11 @@ pub struct Metrics {
     in_flight: AtomicI64,
     started: Instant,
     model_bytes: AtomicU64,
+    cancelled_work: AtomicU64,
+    connections_open: AtomicI64,
+    connections_refused: AtomicU64,
+    connections_timed_out: AtomicU64,
+    reloads: [AtomicU64; 2],
 }
 
 impl Default for Metrics {
@@ -90,6 +95,11 @@ impl Metrics {
             in_flight: AtomicI64::new(0),
             started: Instant::now(),
             model_bytes: AtomicU64::new(0),
+            cancelled_work: AtomicU64::new(0),
+            connections_open: AtomicI64::new(0),
+            connections_refused: AtomicU64::new(0),
+            connections_timed_out: AtomicU64::new(0),
+            reloads: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
@@ -104,6 +114,43 @@ impl Metrics {
     /// Requests being handled now.
     pub fn in_flight(&self) -> i64 {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Drafts left unpruned because their client went away or their deadline passed.
+    pub fn add_cancelled_work(&self, drafts: u64) {
+        self.cancelled_work.fetch_add(drafts, Ordering::Relaxed);
+    }
+
+    pub fn cancelled_work(&self) -> u64 {
+        self.cancelled_work.load(Ordering::Relaxed)
+    }
+
+    /// A connection accepted (+1) or closed (-1).
+    pub fn connection_opened(&self, delta: i64) {
+        self.connections_open.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    pub fn connections_open(&self) -> i64 {
+        self.connections_open.load(Ordering::Relaxed)
+    }
+
+    /// A connection closed at accept because `--max-connections` were open.
+    pub fn connection_refused(&self) -> u64 {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// A connection closed for sending nothing within the handshake or idle timeout.
+    pub fn connection_timed_out(&self) {
+        self.connections_timed_out.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connections_timed_out(&self) -> u64 {
+        self.connections_timed_out.load(Ordering::Relaxed)
+    }
+
+    /// A reload on SIGHUP that succeeded or was refused.
+    pub fn reloaded(&self, ok: bool) {
+        self.reloads[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn set_model_bytes(&self, bytes: u64) {
@@ -219,6 +266,51 @@ impl Metrics {
             out,
             "dart_ngram_in_flight_requests {}",
             self.in_flight.load(Ordering::Relaxed)
+        );
+        let counters: [(&str, &str, &str, u64); 5] = [
+            (
+                "dart_ngram_cancelled_work_total",
+                "Drafts of batches left unpruned because the client went away or the deadline passed.",
+                "",
+                self.cancelled_work.load(Ordering::Relaxed),
+            ),
+            (
+                "dart_ngram_connections_refused_total",
+                "Connections closed at accept because --max-connections were open.",
+                "",
+                self.connections_refused.load(Ordering::Relaxed),
+            ),
+            (
+                "dart_ngram_connections_timed_out_total",
+                "Connections closed after the handshake or idle timeout.",
+                "",
+                self.connections_timed_out.load(Ordering::Relaxed),
+            ),
+            (
+                "dart_ngram_reloads_total",
+                "Model reloads on SIGHUP, by result.",
+                "{result=\"ok\"}",
+                self.reloads[0].load(Ordering::Relaxed),
+            ),
+            (
+                "dart_ngram_reloads_total",
+                "",
+                "{result=\"refused\"}",
+                self.reloads[1].load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, help, labels, value) in counters {
+            if !help.is_empty() {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            }
+            let _ = writeln!(out, "{name}{labels} {value}");
+        }
+        out.push_str("# HELP dart_ngram_connections_open gRPC connections open now.\n");
+        out.push_str("# TYPE dart_ngram_connections_open gauge\n");
+        let _ = writeln!(
+            out,
+            "dart_ngram_connections_open {}",
+            self.connections_open.load(Ordering::Relaxed)
         );
         out.push_str("# HELP dart_ngram_model_bytes Size of the served model file.\n");
         out.push_str("# TYPE dart_ngram_model_bytes gauge\n");

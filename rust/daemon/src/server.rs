@@ -5,10 +5,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use dart_ngram::NGramModel;
 use dart_pruner::PrunerConfig;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
@@ -21,7 +22,7 @@ use crate::error::{DaemonError, Result};
 use crate::layer::ObserveLayer;
 use crate::metrics::Metrics;
 use crate::proto::n_gram_service_server::NGramServiceServer;
-use crate::service::NGramServer;
+use crate::service::{NGramServer, ServiceLimits};
 
 /// The fully qualified service name, as health checks name it.
 pub const SERVICE_NAME: &str = "dart.ngram.v1.NGramService";
@@ -32,8 +33,12 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// Largest request message accepted, in bytes (larger: RESOURCE_EXHAUSTED).
     pub max_request_bytes: usize,
-    /// Requests handled at once (more: RESOURCE_EXHAUSTED).
-    pub max_concurrent: usize,
+    /// Requests handled at once (more: RESOURCE_EXHAUSTED), and what one request may ask.
+    pub limits: ServiceLimits,
+    /// Connections open at once; more are closed as soon as they are accepted.
+    pub max_connections: usize,
+    /// How long a connection may stay silent (see [`crate::linger::Timeouts`]).
+    pub timeouts: crate::linger::Timeouts,
     pub metrics_listen: Option<SocketAddr>,
     /// How long a shutdown waits for requests in flight before giving up on them.
     pub shutdown_grace: Duration,
@@ -49,7 +54,12 @@ impl Default for ServeOptions {
         ServeOptions {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             max_request_bytes: 16 << 20,
-            max_concurrent: 256,
+            limits: ServiceLimits::default(),
+            max_connections: 1000,
+            timeouts: crate::linger::Timeouts {
+                handshake: Duration::from_secs(10),
+                idle: Duration::from_secs(300),
+            },
             metrics_listen: None,
             shutdown_grace: Duration::from_secs(30),
             pruner: PrunerConfig::default(),
@@ -70,10 +80,18 @@ pub struct Bound {
 
 /// Binds the gRPC (and metrics) sockets for `model`.
 pub async fn bind(model: Arc<NGramModel>, options: ServeOptions) -> Result<Bound> {
+    if options.max_connections == 0 {
+        return Err(DaemonError::Config(
+            "--max-connections 0: expected at least 1".into(),
+        ));
+    }
+    let metrics = Arc::new(Metrics::new());
+    metrics.set_model_bytes(model.bytes());
     let server = Arc::new(NGramServer::new(
         Arc::clone(&model),
         options.pruner.clone(),
-        options.max_concurrent,
+        options.limits,
+        Arc::clone(&metrics),
     )?);
     let grpc = TcpListener::bind(options.listen)
         .await
@@ -94,8 +112,6 @@ pub async fn bind(model: Arc<NGramModel>, options: ServeOptions) -> Result<Bound
         ),
         None => None,
     };
-    let metrics = Arc::new(Metrics::new());
-    metrics.set_model_bytes(model.bytes());
     Ok(Bound {
         grpc,
         metrics_listener,
@@ -122,8 +138,15 @@ impl Bound {
         Arc::clone(&self.metrics)
     }
 
-    /// Serves until `shutdown` resolves, then stops accepting, marks itself NOT_SERVING,
-    /// lets requests in flight finish (at most `shutdown_grace`) and returns.
+    /// The service state (to reload its model).
+    pub fn server(&self) -> Arc<NGramServer> {
+        Arc::clone(&self.server)
+    }
+
+    /// Serves until `shutdown` resolves, then closes its listening socket (new connections
+    /// are refused), marks itself NOT_SERVING, answers new requests on open connections
+    /// UNAVAILABLE (clients retry elsewhere or later), lets the requests already received
+    /// finish (at most `shutdown_grace`) and returns.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
         let Bound {
             grpc,
@@ -157,9 +180,15 @@ impl Bound {
         let drain_started = Arc::new(tokio::sync::Notify::new());
         let drain_started2 = Arc::clone(&drain_started);
         let draining_metrics = Arc::clone(&metrics);
+        let draining = Arc::new(AtomicBool::new(false));
+        let draining2 = Arc::clone(&draining);
+        let (stop_accepting, accepting) = tokio::sync::watch::channel(false);
         let signal = async move {
             shutdown.await;
+            draining2.store(true, Ordering::SeqCst);
+            let _ = stop_accepting.send(true);
             tracing::info!(
+                in_flight = draining_metrics.in_flight(),
                 "shutdown requested: refusing new connections, draining requests in flight"
             );
             reporter
@@ -193,10 +222,20 @@ impl Bound {
                 Arc::clone(&metrics),
                 options.max_request_bytes,
                 activity,
+                draining,
             ))
             .add_service(health)
             .add_service(service)
-            .serve_with_incoming_shutdown(incoming(grpc, Arc::clone(&closing)), signal);
+            .serve_with_incoming_shutdown(
+                incoming(
+                    grpc,
+                    Arc::clone(&closing),
+                    Arc::clone(&metrics),
+                    &options,
+                    accepting,
+                ),
+                signal,
+            );
 
         let result = tokio::select! {
             r = serve => r.map_err(DaemonError::from),
@@ -252,42 +291,96 @@ async fn drained_and_idle(
     }
 }
 
-/// Accepted connections with Nagle's algorithm off, closed with a linger (see `linger`).
-/// `Server::tcp_nodelay` only applies to listeners tonic binds itself; without this a response
-/// written in two pieces waits for the client's delayed ACK (~40 ms per call on Linux
-/// loopback).
+/// Accepted connections with Nagle's algorithm off, closed with a linger and after a silence
+/// (see `linger`), at most `max_connections` open at once. `Server::tcp_nodelay` only applies
+/// to listeners tonic binds itself; without it a response written in two pieces waits for the
+/// client's delayed ACK (~40 ms per call on Linux loopback).
+///
+/// When `stop` turns true the listening socket is closed at once (new connections are
+/// refused by the kernel) while the stream stays open: the transport keeps serving the
+/// connections it has until the drain ends.
 fn incoming(
     listener: TcpListener,
     closing: Arc<crate::linger::Closing>,
+    metrics: Arc<Metrics>,
+    options: &ServeOptions,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<crate::linger::Lingering>> {
     use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(move |accepted| {
-        let stream = accepted?;
-        if let Err(err) = stream.set_nodelay(true) {
-            tracing::warn!(error = %err, "cannot set TCP_NODELAY on a connection");
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let max_connections = options.max_connections;
+    let timeouts = options.timeouts;
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = stop.wait_for(|&s| s) => break,
+                accepted = listener.accept() => accepted,
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    // Out of file descriptors and the like: wait for closes instead of spinning.
+                    tracing::warn!(error = %err, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if metrics.connections_open() >= max_connections as i64 {
+                let refused = metrics.connection_refused();
+                if refused.is_power_of_two() {
+                    tracing::warn!(
+                        max_connections,
+                        refused,
+                        "connection refused: --max-connections connections are open"
+                    );
+                }
+                drop(stream);
+                continue;
+            }
+            if let Err(err) = stream.set_nodelay(true) {
+                tracing::warn!(error = %err, "cannot set TCP_NODELAY on a connection");
+            }
+            let conn = crate::linger::Lingering::new(
+                stream,
+                Arc::clone(&closing),
+                Arc::clone(&metrics),
+                timeouts,
+            );
+            if tx.send(Ok(conn)).await.is_err() {
+                break;
+            }
         }
-        Ok(crate::linger::Lingering::new(stream, Arc::clone(&closing)))
-    })
+        // The listening socket closes here. The stream handed to the transport does not end
+        // with it (`pending` follows): its end would make the transport close every
+        // connection at once instead of after the drain.
+        drop(listener);
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx).chain(tokio_stream::pending())
 }
 
 /// Watches SIGTERM and SIGINT from now on (so a signal that arrives before the returned future
 /// is first polled is not lost, nor fatal) and resolves on the first of them. Call it inside
 /// the runtime, before announcing that the daemon listens.
 pub fn termination_signal() -> Result<impl Future<Output = ()> + Send + 'static> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let watch = |kind: SignalKind, name: &str| {
-        signal(kind).map_err(|source| DaemonError::Io {
-            what: "cannot watch",
-            addr: name.to_string(),
-            source,
-        })
-    };
-    let mut term = watch(SignalKind::terminate(), "SIGTERM")?;
-    let mut int = watch(SignalKind::interrupt(), "SIGINT")?;
+    use tokio::signal::unix::SignalKind;
+    let mut term = watch_signal(SignalKind::terminate(), "SIGTERM")?;
+    let mut int = watch_signal(SignalKind::interrupt(), "SIGINT")?;
     Ok(async move {
         tokio::select! {
             _ = term.recv() => tracing::info!(signal = "SIGTERM", "signal received"),
             _ = int.recv() => tracing::info!(signal = "SIGINT", "signal received"),
         }
+    })
+}
+
+/// Watches a signal from now on (its default action, often exiting, no longer applies).
+pub fn watch_signal(
+    kind: tokio::signal::unix::SignalKind,
+    name: &str,
+) -> Result<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(kind).map_err(|source| DaemonError::Io {
+        what: "cannot watch",
+        addr: name.to_string(),
+        source,
     })
 }

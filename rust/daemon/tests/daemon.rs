@@ -40,7 +40,13 @@ impl Rng {
 /// Writes a 3-gram model of a synthetic corpus (EOS appended to every document, n-grams never
 /// crossing documents).
 fn write_test_model(path: &Path) {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    write_model_with(path, 3, 0x9E37_79B9_7F4A_7C15);
+}
+
+/// A model of `order` over a corpus drawn from `seed` (another seed: another model for the
+/// same tokenizer and vocabulary).
+fn write_model_with(path: &Path, order: usize, seed: u64) {
+    let mut rng = Rng(seed);
     let mut grams: BTreeMap<Vec<u32>, u64> = BTreeMap::new();
     let mut uni = vec![0u64; VOCAB as usize];
     let mut total = 0;
@@ -52,7 +58,7 @@ fn write_test_model(path: &Path) {
         total += d.len() as u64;
         for i in 0..d.len() {
             uni[d[i] as usize] += 1;
-            for n in 2..=3 {
+            for n in 2..=order {
                 if i + n <= d.len() {
                     *grams.entry(d[i..i + n].to_vec()).or_insert(0) += 1;
                 }
@@ -60,7 +66,7 @@ fn write_test_model(path: &Path) {
         }
     }
     let bits = key::token_bits(VOCAB);
-    let streams: Vec<CountStream<'static>> = (2..=3)
+    let streams: Vec<CountStream<'static>> = (2..=order)
         .map(|n| {
             let mut v: Vec<(u64, u64)> = grams
                 .iter()
@@ -72,7 +78,7 @@ fn write_test_model(path: &Path) {
         })
         .collect();
     let meta = ModelMeta {
-        order: 3,
+        order,
         vocab_size: VOCAB,
         tokenizer_fingerprint: [0xAB; 32],
         eos_id: Some(EOS),
@@ -89,6 +95,8 @@ struct Fixture {
     model: Arc<NGramModel>,
     addr: std::net::SocketAddr,
     metrics_addr: std::net::SocketAddr,
+    metrics: Arc<dart_daemon::metrics::Metrics>,
+    server: Arc<dart_daemon::service::NGramServer>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     served: tokio::task::JoinHandle<dart_daemon::Result<()>>,
 }
@@ -106,6 +114,8 @@ async fn start(options: ServeOptions) -> Fixture {
     let bound = bind(Arc::clone(&model), options).await.unwrap();
     let addr = bound.local_addr();
     let metrics_addr = bound.metrics_addr().unwrap();
+    let metrics = bound.metrics();
+    let server = bound.server();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(bound.serve(async {
         let _ = rx.await;
@@ -115,6 +125,8 @@ async fn start(options: ServeOptions) -> Fixture {
         model,
         addr,
         metrics_addr,
+        metrics,
+        server,
         stop: Some(tx),
         served,
     }
@@ -567,41 +579,360 @@ async fn health_reports_serving_for_the_server_and_the_service() {
     stop(f).await;
 }
 
+/// Waits (bounded) until `cond` holds.
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+fn limit_status(err: &tonic::Status, limit: &str) {
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains(limit), "{err:?} should name {limit}");
+}
+
+/// The abuse cases: a budget of 2^32 - 1 on a 64 x 256 draft (a 10^11-cell mask),
+/// overrides of beam_width and max_nodes = 10^7, a TopK of 10^9 entries. Each is refused by
+/// name and the daemon keeps answering correctly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_lets_the_request_in_flight_finish() {
+async fn oversized_requests_are_refused_by_their_limit() {
     let f = start(ServeOptions::default()).await;
     let mut c = client(f.addr).await;
-    let mut rng = Rng(11);
-    // A batch heavy enough to still be running when the shutdown starts.
-    let drafts: Vec<proto::Draft> = (0..1500).map(|_| random_draft(&mut rng, 8, 25)).collect();
-    let n = drafts.len();
-    let call = tokio::spawn(async move {
-        c.prune_batch(proto::PruneBatchRequest {
-            drafts,
+    let mut rng = Rng(3);
+    let mut big = random_draft(&mut rng, 64, 256);
+    big.budget = Some(u32::MAX);
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(big.clone()),
             config: None,
         })
         .await
+        .unwrap_err();
+    limit_status(&err, "max_nodes");
+    assert!(err.message().contains("--max-nodes"), "{err:?}");
+    for (o, limit) in [
+        (
+            proto::PrunerConfig {
+                beam_width: Some(10_000_000),
+                ..Default::default()
+            },
+            "max_beam_width",
+        ),
+        (
+            proto::PrunerConfig {
+                max_nodes: Some(10_000_000),
+                ..Default::default()
+            },
+            "max_nodes",
+        ),
+    ] {
+        let small = random_draft(&mut rng, 4, 8);
+        let err = c
+            .prune_batch(proto::PruneBatchRequest {
+                drafts: vec![small.clone(); 4],
+                config: Some(o),
+            })
+            .await
+            .unwrap_err();
+        limit_status(&err, limit);
+        let err = c
+            .prune(proto::PruneRequest {
+                draft: Some(small),
+                config: Some(o),
+            })
+            .await
+            .unwrap_err();
+        limit_status(&err, limit);
+    }
+    let levels = random_draft(&mut rng, 65, 4);
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(levels),
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    limit_status(&err, "max_levels");
+    // 2 rows x k = vocab is fine; 2^20 rows x 300 is beyond max_top_k_entries.
+    let ok = c
+        .top_k(proto::TopKRequest {
+            contexts: Some(rows(&[vec![5], vec![6]])),
+            k: VOCAB,
+        })
+        .await
+        .unwrap();
+    assert_eq!(ok.into_inner().lengths.len(), 2);
+    let many = vec![vec![]; 1 << 20];
+    let err = c
+        .top_k(proto::TopKRequest {
+            contexts: Some(rows(&many)),
+            k: VOCAB,
+        })
+        .await
+        .unwrap_err();
+    limit_status(&err, "max_top_k_entries");
+    // Correct requests still get the in-process answer.
+    let pruner = Pruner::new(Arc::clone(&f.model), PrunerConfig::default()).unwrap();
+    for _ in 0..20 {
+        let d = random_draft(&mut rng, 6, 25);
+        let local = pruner.prune(&local_request(&d)).unwrap();
+        assert_eq!(remote_tree(&mut c, &d).await.tokens, {
+            local.tokens.iter().map(|&t| t as u32).collect::<Vec<_>>()
+        });
+    }
+    stop(f).await;
+}
+
+/// Lower limits from the options apply (the `--max-*` flags).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_limits_apply() {
+    let limits = dart_daemon::service::ServiceLimits {
+        pruner: dart_pruner::PrunerLimits {
+            max_k: 8,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let f = start(ServeOptions {
+        limits,
+        ..Default::default()
+    })
+    .await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(4);
+    let err = c
+        .prune(proto::PruneRequest {
+            draft: Some(random_draft(&mut rng, 2, 9)),
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    limit_status(&err, "max_k");
+    remote_tree(&mut c, &random_draft(&mut rng, 2, 8)).await;
+    stop(f).await;
+}
+
+/// A batch whose deadline passes is abandoned: the drafts not yet pruned are skipped and
+/// counted (without the cancellation the whole batch runs to the end for nobody).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_past_its_deadline_is_abandoned() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let mut rng = Rng(12);
+    // ~35,000 scored paths per draft: seconds of work for the batch.
+    let drafts: Vec<proto::Draft> = (0..1500).map(|_| random_draft(&mut rng, 8, 25)).collect();
+    let mut req = tonic::Request::new(proto::PruneBatchRequest {
+        drafts,
+        config: Some(proto::PrunerConfig {
+            beam_width: Some(200),
+            ..Default::default()
+        }),
     });
-    // Wait until the daemon has the request in hand.
-    let mut seen = false;
-    for _ in 0..500 {
-        let text = http_get(f.metrics_addr, "/metrics").await;
-        if text.contains("dart_ngram_in_flight_requests 1") {
-            seen = true;
+    req.set_timeout(Duration::from_millis(100));
+    let err = c.prune_batch(req).await.unwrap_err();
+    // tonic's server answers a passed deadline CANCELLED "Timeout expired".
+    assert!(
+        matches!(err.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{err:?}"
+    );
+    let metrics = Arc::clone(&f.metrics);
+    until("the batch is abandoned", || metrics.cancelled_work() > 0).await;
+    assert!(metrics.cancelled_work() < 1500);
+    assert!(http_get(f.metrics_addr, "/metrics")
+        .await
+        .contains("dart_ngram_cancelled_work_total "));
+    // The daemon answers the next caller at once.
+    remote_tree(&mut c, &random_draft(&mut rng, 4, 8)).await;
+    stop(f).await;
+}
+
+/// Connections beyond --max-connections are closed at accept; connections that send nothing
+/// are closed after the handshake timeout; the daemon keeps serving real clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_surplus_connections_are_closed() {
+    use tokio::io::AsyncReadExt;
+    let f = start(ServeOptions {
+        max_connections: 3,
+        timeouts: dart_daemon::linger::Timeouts {
+            handshake: Duration::from_millis(300),
+            idle: Duration::from_secs(300),
+        },
+        ..Default::default()
+    })
+    .await;
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(tokio::net::TcpStream::connect(f.addr).await.unwrap());
+    }
+    let metrics = Arc::clone(&f.metrics);
+    until("3 connections are open", || metrics.connections_open() == 3).await;
+    // The fourth is accepted and closed at once.
+    let mut surplus = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), surplus.read(&mut buf))
+        .await
+        .expect("the surplus connection is closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert!(http_get(f.metrics_addr, "/metrics")
+        .await
+        .contains("dart_ngram_connections_refused_total 1"));
+    // The silent ones are closed after the handshake timeout (the server's preface, then EOF).
+    for s in &mut silent {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+            .await
+            .expect("a silent connection is closed")
+            .ok();
+    }
+    until("the silent connections are gone", || {
+        metrics.connections_open() == 0
+    })
+    .await;
+    assert_eq!(metrics.connections_timed_out(), 3);
+    let mut c = client(f.addr).await;
+    remote_tree(&mut c, &random_draft(&mut Rng(9), 4, 8)).await;
+    stop(f).await;
+}
+
+/// A reload serves the new model; one that changes the order (or vocabulary, tokenizer, EOS)
+/// is refused and the old model stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_swaps_a_compatible_model_and_refuses_another() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ask = || proto::ProbRequest {
+        contexts: Some(rows(&[vec![5, 6], vec![7]])),
+        candidates: Some(rows(&[(0..VOCAB).collect(), (0..VOCAB).collect()])),
+    };
+    let before = c.prob(ask()).await.unwrap().into_inner().probs;
+
+    let other_order = dir.path().join("order2.ngram");
+    write_model_with(&other_order, 2, 0x9E37_79B9_7F4A_7C15);
+    let err = f
+        .server
+        .reload(Arc::new(NGramModel::open(&other_order).unwrap()))
+        .unwrap_err();
+    assert!(err.contains("order 3 -> 2"), "{err}");
+    assert_eq!(c.prob(ask()).await.unwrap().into_inner().probs, before);
+
+    let other_corpus = dir.path().join("other.ngram");
+    write_model_with(&other_corpus, 3, 77);
+    let new_model = Arc::new(NGramModel::open(&other_corpus).unwrap());
+    f.server.reload(Arc::clone(&new_model)).unwrap();
+    let after = c.prob(ask()).await.unwrap().into_inner().probs;
+    assert_ne!(after, before);
+    let mut expected = vec![0f32; VOCAB as usize];
+    let mut matched = vec![0u8; VOCAB as usize];
+    let all: Vec<u32> = (0..VOCAB).collect();
+    new_model
+        .prob_many(&[5, 6], &all, &mut expected, &mut matched)
+        .unwrap();
+    assert_eq!(after[..VOCAB as usize], expected[..]);
+    stop(f).await;
+}
+
+/// The drain, without timing: the request is held in flight by its client (headers sent,
+/// message not yet), the daemon is told to stop, and only once it is observed draining
+/// (health NOT_SERVING, new connections refused, new requests UNAVAILABLE) does the client
+/// send the message. The drained request's tree must equal the in-process one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_finishes_a_request_in_flight_and_refuses_newcomers() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let mut f = start(ServeOptions::default()).await;
+    let channel = Channel::from_shared(format!("http://{}", f.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    let mut other = NGramServiceClient::new(channel.clone());
+    let (tx, rx) = tokio::sync::mpsc::channel::<proto::PruneRequest>(1);
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let held = tokio::spawn(async move {
+        grpc.ready().await.unwrap();
+        let path = http::uri::PathAndQuery::from_static("/dart.ngram.v1.NGramService/Prune");
+        grpc.client_streaming::<_, proto::PruneRequest, proto::PruneResponse, _>(
+            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            path,
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+    });
+    let metrics = Arc::clone(&f.metrics);
+    until("the held request is in flight", || metrics.in_flight() == 1).await;
+
+    f.stop.take().unwrap().send(()).unwrap();
+    let addr = f.addr;
+    for _ in 0..2000 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(seen, "the batch never showed up in flight");
-    let addr = f.addr;
-    stop(f).await;
-    let trees = call
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "new connections are still accepted while draining"
+    );
+    let status = health
+        .check(HealthCheckRequest {
+            service: dart_daemon::SERVICE_NAME.into(),
+        })
         .await
         .unwrap()
-        .expect("the in-flight batch completes")
         .into_inner()
-        .trees;
-    assert_eq!(trees.len(), n);
-    // And nothing listens any more.
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+        .status;
+    assert_eq!(status, 2, "NOT_SERVING while draining");
+    let mut rng = Rng(21);
+    let err = other
+        .prune(proto::PruneRequest {
+            draft: Some(random_draft(&mut rng, 4, 8)),
+            config: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(
+        metrics.in_flight(),
+        1,
+        "the held request is still in flight"
+    );
+
+    let d = random_draft(&mut rng, 8, 25);
+    tx.send(proto::PruneRequest {
+        draft: Some(d.clone()),
+        config: None,
+    })
+    .await
+    .unwrap();
+    drop(tx);
+    let tree = held
+        .await
+        .unwrap()
+        .expect("the request in flight is answered")
+        .into_inner()
+        .tree
+        .unwrap();
+    let pruner = Pruner::new(Arc::clone(&f.model), PrunerConfig::default()).unwrap();
+    let local = pruner.prune(&local_request(&d)).unwrap();
+    assert_eq!(
+        tree.tokens,
+        local.tokens.iter().map(|&t| t as u32).collect::<Vec<_>>()
+    );
+    assert_eq!(tree.scores, local.scores);
+    assert_eq!(
+        tree.parents,
+        local.parents.iter().map(|&p| p as i32).collect::<Vec<_>>()
+    );
+    tokio::time::timeout(Duration::from_secs(30), f.served)
+        .await
+        .expect("the daemon stops after the drain")
+        .unwrap()
+        .unwrap();
 }

@@ -863,12 +863,12 @@ mod tests {
             }
         }
 
-        /// The SIMD kernel gives the scalar kernel's bits, on any number of threads.
+        /// The SIMD kernel gives the scalar kernel's bits, on any number of threads, on
+        /// general values (where a different summation order would change the bits).
         #[test]
-        fn simd_equals_scalar((n, k, rows, w, x, bias) in case(), threads in 1usize..4) {
-            if !Backend::simd_available() {
-                return Ok(()); // as in amx_is_the_product_row_by_row
-            }
+        #[cfg_attr(not(dart_cpu_avx512), ignore = "needs AVX-512F/BW/VL, which this CPU lacks")]
+        fn simd_equals_scalar((n, k, rows, w, x, bias) in general_case(), threads in 1usize..4) {
+            assert!(Backend::simd_available(), "built for AVX-512 but it does not run here");
             let m = PackedMatrix::pack(&w, n, k).unwrap();
             let mut want = vec![0u16; rows * n];
             m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
@@ -879,28 +879,30 @@ mod tests {
 
         /// The AMX kernel is the product within f32 accumulation error, gives the same bits
         /// on any number of threads, and a row's bits do not depend on the rows beside it
-        /// (row counts past one pass of 32 included).
+        /// (row counts past one pass of 32 included), on general values.
         #[test]
+        #[cfg_attr(not(dart_cpu_amx), ignore = "needs AMX-BF16, which this CPU lacks")]
         fn amx_is_the_product_row_by_row(
-            (n, k, _rows, w, _x, bias) in case(),
-            x in bf16_values(70 * 40),
-            rows in 1usize..70,
+            (n, k, rows, w, x, bias) in general_case(),
             threads in 1usize..4,
             pick in any::<proptest::sample::Index>(),
         ) {
-            if !Backend::amx_available() {
-                // Not a rejection: every case would be one, and proptest fails a test whose
-                // cases are all rejected.
-                return Ok(());
-            }
-            let x = &x[..rows * k];
+            assert!(
+                Backend::amx_available(),
+                "built on a CPU with AMX-BF16, but the kernel does not run (the OS refused tile data?)"
+            );
+            let x = &x[..];
             let m = PackedMatrix::pack(&w, n, k).unwrap();
             let mut got = vec![0xFFFFu16; rows * n];
             m.matmul_with(Backend::Amx, x, rows, bias.as_deref(), &mut got, threads).unwrap();
             let want = reference(&w, n, k, x, rows, bias.as_deref());
-            for (got, want) in got.iter().zip(&want) {
-                // Multiples of 2^-7 summed: the f32 sums are exact, so only bf16 rounding.
-                prop_assert_eq!(*got, f32_to_bf16(*want as f32));
+            let scale = magnitudes(&w, n, k, x, rows, bias.as_deref());
+            for ((got, want), scale) in got.iter().zip(&want).zip(&scale) {
+                prop_assert!(
+                    close_to_f64(*got, *want, *scale, k),
+                    "{} vs {want}",
+                    bf16_to_f32(*got)
+                );
             }
             let mut alone = vec![0u16; rows * n];
             m.matmul_with(Backend::Amx, x, rows, bias.as_deref(), &mut alone, 1).unwrap();
@@ -912,17 +914,124 @@ mod tests {
             prop_assert_eq!(&got[r * n..(r + 1) * n], &one[..]);
         }
 
-        /// A row's result does not depend on the rows multiplied with it.
+        /// A row's result does not depend on the rows multiplied with it, on every backend
+        /// this CPU runs, on general values (a summation order that depends on the row count
+        /// changes the bits).
         #[test]
-        fn rows_are_independent((n, k, rows, w, x, _bias) in case(), pick in any::<proptest::sample::Index>()) {
+        fn rows_are_independent(
+            (n, k, rows, w, x, bias) in general_case(),
+            pick in any::<proptest::sample::Index>(),
+            threads in 1usize..4,
+        ) {
             let m = PackedMatrix::pack(&w, n, k).unwrap();
-            let mut all = vec![0u16; rows * n];
-            m.matmul(&x, rows, None, &mut all, 1).unwrap();
             let r = pick.index(rows);
-            let mut one = vec![0u16; n];
-            m.matmul(&x[r * k..(r + 1) * k], 1, None, &mut one, 1).unwrap();
-            prop_assert_eq!(&all[r * n..(r + 1) * n], &one[..]);
+            for backend in runnable_backends() {
+                let mut all = vec![0u16; rows * n];
+                m.matmul_with(backend, &x, rows, bias.as_deref(), &mut all, threads).unwrap();
+                let mut one = vec![0u16; n];
+                m.matmul_with(backend, &x[r * k..(r + 1) * k], 1, bias.as_deref(), &mut one, 1)
+                    .unwrap();
+                prop_assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{}", backend.name());
+            }
         }
+
+        /// The scalar kernel on general values: the product within f32 accumulation error.
+        #[test]
+        fn scalar_is_the_product_on_general_values((n, k, rows, w, x, bias) in general_case()) {
+            let m = PackedMatrix::pack(&w, n, k).unwrap();
+            let mut out = vec![0u16; rows * n];
+            m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut out, 1).unwrap();
+            let want = reference(&w, n, k, &x, rows, bias.as_deref());
+            let scale = magnitudes(&w, n, k, &x, rows, bias.as_deref());
+            for ((got, want), scale) in out.iter().zip(&want).zip(&scale) {
+                prop_assert!(
+                    close_to_f64(*got, *want, *scale, k),
+                    "{} vs {want}",
+                    bf16_to_f32(*got)
+                );
+            }
+        }
+    }
+
+    /// Backends this CPU runs (the scalar one everywhere).
+    fn runnable_backends() -> Vec<Backend> {
+        let mut out = vec![Backend::Scalar];
+        if Backend::simd_available() {
+            out.push(Backend::Avx512);
+        }
+        if Backend::amx_available() {
+            out.push(Backend::Amx);
+        }
+        out
+    }
+
+    /// General bf16 values: random sign, all 7 mantissa bits random, magnitudes 2^-6..2^2.
+    /// Their products need 16 significant bits and sums of them round in f32 (unlike the
+    /// multiples of 2^-7 in `bf16_values`).
+    fn general_bf16(len: usize) -> impl Strategy<Value = Vec<u16>> {
+        proptest::collection::vec(general_value(121..=129), len)
+    }
+
+    fn general_value(exponents: std::ops::RangeInclusive<u16>) -> impl Strategy<Value = u16> {
+        (any::<bool>(), exponents, 0u16..128).prop_map(|(negative, exponent, mantissa)| {
+            (u16::from(negative) << 15) | (exponent << 7) | mantissa
+        })
+    }
+
+    /// As `case`, with general values, `k` up to 200 (long sums, several panels), up to 69
+    /// rows (past one AMX pass of 32) and, as
+    /// activations with outliers have, a cancelling pair: inputs `i` and `j` of every row
+    /// are the same large value (2^16..2^22) and every weight row has `w[j] = -w[i]`. The two
+    /// products cancel exactly, but in f32 each swallows the low bits of the partial sum it
+    /// meets, so a kernel that sums in another order (for one row, for the rows of a tree)
+    /// gives other bits even after rounding to bf16.
+    fn general_case() -> impl Strategy<Value = Case> {
+        (1usize..70, 2usize..200, 1usize..70).prop_flat_map(|(n, k, rows)| {
+            (
+                Just(n),
+                Just(k),
+                Just(rows),
+                general_bf16(n * k),
+                general_bf16(rows * k),
+                proptest::option::of(general_bf16(n)),
+                (0..k, 0..k - 1),
+                proptest::collection::vec(general_value(143..=149), rows),
+            )
+                .prop_map(|(n, k, rows, mut w, mut x, bias, (i, j), large)| {
+                    let j = if j >= i { j + 1 } else { j };
+                    for (r, &big) in large.iter().enumerate() {
+                        x[r * k + i] = big;
+                        x[r * k + j] = big;
+                    }
+                    for c in 0..n {
+                        w[c * k + j] = w[c * k + i] ^ 0x8000;
+                    }
+                    (n, k, rows, w, x, bias)
+                })
+        })
+    }
+
+    /// `got` (bf16) is the f64 product `want` up to bf16 rounding plus f32 accumulation
+    /// error: at most `k + 1` roundings of partial sums bounded by `magnitude`, the sum of
+    /// the terms' absolute values (`reference` of |w| and |x|).
+    fn close_to_f64(got: u16, want: f64, magnitude: f64, k: usize) -> bool {
+        let got = bf16_to_f32(got) as f64;
+        let accumulation = (k as f64 + 2.0) * 2f64.powi(-24) * magnitude;
+        (got - want).abs() <= (want.abs() + accumulation) * 2f64.powi(-8) + accumulation
+    }
+
+    /// `reference` of the absolute values: the bound `close_to_f64` scales its error by.
+    fn magnitudes(
+        w: &[u16],
+        n: usize,
+        k: usize,
+        x: &[u16],
+        rows: usize,
+        bias: Option<&[u16]>,
+    ) -> Vec<f64> {
+        let abs = |v: &[u16]| v.iter().map(|b| b & 0x7FFF).collect::<Vec<u16>>();
+        let bias = bias.map(abs);
+        reference(&abs(w), n, k, &abs(x), rows, bias.as_deref())
     }
 
     /// Pseudo-random bf16 values in (-0.1, 0.1) (xorshift from `seed`).
@@ -957,13 +1066,14 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(not(dart_cpu_amx), ignore = "needs AMX-BF16, which this CPU lacks")]
     fn amx_rows_are_independent_on_general_values() {
         // Rounding shows here (unlike the exact small values above): tree rows must still be
         // bit-identical to the row alone, and close to the f64 product.
-        if !Backend::amx_available() {
-            eprintln!("no AMX-BF16 on this CPU: skipped");
-            return;
-        }
+        assert!(
+            Backend::amx_available(),
+            "built on a CPU with AMX-BF16, but the kernel does not run (the OS refused tile data?)"
+        );
         let (n, k, rows) = (70, 1001, 45);
         let mut values = general_values(0x2545_F491);
         let w: Vec<u16> = values.by_ref().take(n * k).collect();

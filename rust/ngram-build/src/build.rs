@@ -54,6 +54,9 @@ pub struct BuildOptions {
     pub tmp_dir: Option<PathBuf>,
     /// Count and report malformed lines instead of failing on the first.
     pub skip_bad_lines: bool,
+    /// Write a model even when no document was counted (an empty corpus, or every line
+    /// skipped); otherwise that is an error.
+    pub allow_empty: bool,
     /// Draw a progress bar on stderr (only when stderr is a terminal).
     pub progress: bool,
     /// Set to stop the build; it then fails with `Interrupted` and leaves nothing behind.
@@ -76,6 +79,7 @@ impl BuildOptions {
             vocab_size: None,
             tmp_dir: None,
             skip_bad_lines: false,
+            allow_empty: false,
             progress: false,
             cancel: None,
             write: WriteOptions::default(),
@@ -313,6 +317,25 @@ fn tmp_parent(output: &Path, tmp_dir: Option<&Path>) -> PathBuf {
     }
 }
 
+/// Dense per-token arrays up to this size are allowed whatever the budget (tiny budgets, as
+/// tests use, still count).
+const DENSE_FLOOR: u64 = 64 << 20;
+
+/// Bytes of the dense per-token array a build or import holds (the unigram counts, u64 per
+/// id), checked against the memory budget before it is allocated: a vocabulary inferred from
+/// one huge token id must not allocate gigabytes beyond `--memory`.
+pub(crate) fn check_vocab_fits(vocab_size: u32, memory: u64) -> Result<u64> {
+    let bytes = u64::from(vocab_size) * 8;
+    if bytes > memory.max(DENSE_FLOOR) {
+        return Err(NGramError::InvalidArgument(format!(
+            "a vocabulary of {vocab_size} ids needs {bytes} bytes of unigram counts, more than \
+             the memory budget ({memory} bytes): give the real vocabulary (--tokenizer or \
+             --vocab-size) or a larger --memory"
+        )));
+    }
+    Ok(bytes)
+}
+
 /// Checks the output can be written before spending time counting.
 pub(crate) fn check_output(output: &Path) -> Result<()> {
     if output.is_dir() {
@@ -379,9 +402,16 @@ pub fn count_corpus(opts: &BuildOptions) -> Result<CorpusCounts> {
         .into_iter()
         .map(Arc::new)
         .collect();
+    writer::check_not_an_input(
+        &opts.output,
+        files
+            .iter()
+            .map(|f| f.path.as_path())
+            .chain(tokenizer.as_ref().map(|t| t.path())),
+    )?;
     let total_bytes: u64 = files.iter().map(|f| f.bytes).sum();
     let bits = key::token_bits(vocab_size);
-    let unigram_bytes = u64::from(vocab_size) * 8;
+    let unigram_bytes = check_vocab_fits(vocab_size, opts.memory)?;
     // The table gets the budget minus the dense unigram array and the batches in flight;
     // never less than half the budget, so tiny budgets still count (the batches are then
     // part of the fixed overhead beside the budget).
@@ -610,6 +640,21 @@ pub fn build(opts: &BuildOptions) -> Result<BuildReport> {
     let start = Instant::now();
     check_output(&opts.output)?;
     let counts = count_corpus(opts)?;
+    if counts.meta.documents == 0 && !opts.allow_empty {
+        let why = if counts.skipped_lines > 0 {
+            format!(
+                "every line was malformed and skipped ({} lines; the first: {})",
+                counts.skipped_lines,
+                counts.first_skipped.as_deref().unwrap_or("?")
+            )
+        } else {
+            "the corpus holds no document".to_string()
+        };
+        return Err(NGramError::InvalidArgument(format!(
+            "{}: not written: {why}; pass --allow-empty to write an empty model anyway",
+            opts.output.display()
+        )));
+    }
     let count_seconds = start.elapsed().as_secs_f64();
     let write_start = Instant::now();
     let streams = counts.sorted.streams(opts.min_count)?;

@@ -477,8 +477,119 @@ fn order_one_and_empty_corpus() {
         (1, 2, 4)
     );
 
+    // No document: an error naming the option that allows it, and nothing written.
     std::fs::write(&p, "\n\n").unwrap();
-    let o = ids_opts(vec![p], out.clone(), 4, Some(3));
+    let out = dir.path().join("empty.ngram");
+    let mut o = ids_opts(vec![p.clone()], out.clone(), 4, Some(3));
+    let e = err_of(&o);
+    assert!(
+        e.contains("no document") && e.contains("--allow-empty"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    o.allow_empty = true;
     let r = build(&o).unwrap();
     assert_eq!((r.documents, r.tokens), (0, 0));
+
+    // Every line dropped by skip_bad_lines: the same error, saying why.
+    std::fs::write(&p, "not json\n{\"ids\": [99]}\n").unwrap();
+    let out = dir.path().join("skipped.ngram");
+    let mut o = ids_opts(vec![p], out.clone(), 4, Some(3));
+    o.skip_bad_lines = true;
+    let e = err_of(&o);
+    assert!(
+        e.contains("every line was malformed") && e.contains("2 lines"),
+        "{e}"
+    );
+    assert!(!out.exists());
+}
+
+/// The output may not be one of the inputs or the tokenizer, by any path to the same file.
+#[test]
+fn output_that_is_an_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let corpus = write_ids_corpus(d, &[vec![1, 2, 3]], 1);
+    let before = std::fs::read(&corpus[0]).unwrap();
+    let sub = d.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let link = sub.join("hard.jsonl");
+    std::fs::hard_link(&corpus[0], &link).unwrap();
+    let dotted = sub.join("..").join("part0.jsonl");
+    for out in [corpus[0].clone(), link.clone(), dotted] {
+        let o = ids_opts(corpus.clone(), out.clone(), 4, None);
+        let e = err_of(&o);
+        assert!(e.contains("the output is the input"), "{e}");
+        // Also when the input is the directory holding it.
+        let o = ids_opts(vec![d.to_path_buf()], out, 4, None);
+        assert!(err_of(&o).contains("the output is the input"));
+    }
+    assert_eq!(std::fs::read(&corpus[0]).unwrap(), before);
+
+    let tok = write_word_tokenizer(d, Some("</s>"));
+    let text = d.join("t.txt");
+    std::fs::write(&text, "the cat sat").unwrap();
+    let tok_before = std::fs::read(&tok).unwrap();
+    let mut o = BuildOptions::new(vec![text], tok.clone());
+    o.tokenizer = Some(tok.clone());
+    let e = err_of(&o);
+    assert!(
+        e.contains("the output is the input") && e.contains("tokenizer"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&tok).unwrap(), tok_before);
+}
+
+/// A model left in a corpus directory (an earlier build's output) is skipped, not read as
+/// text; given by name it is a clear error.
+#[test]
+fn models_in_the_corpus_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let docs = vec![vec![1, 2, 3, 1, 2]];
+    write_ids_corpus(d, &docs, 1);
+    let first = d.join("first.ngram");
+    build(&ids_opts(vec![d.to_path_buf()], first.clone(), 4, None)).unwrap();
+    let second = d.join("second.ngram");
+    let r = build(&ids_opts(vec![d.to_path_buf()], second.clone(), 4, None)).unwrap();
+    assert_eq!(r.input_files, 1);
+    check_model(&second, &docs, 3, 4, 1);
+    let e = err_of(&ids_opts(vec![first], d.join("third.ngram"), 4, None));
+    assert!(e.contains("is a DART n-gram model, not corpus text"), "{e}");
+}
+
+/// Scratch that killed builds left (unlocked, old) is removed by the next build; a live
+/// build's scratch (locked) and other hidden files are not.
+#[test]
+fn leftovers_of_killed_builds_are_cleaned() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let corpus = d.join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    let docs = vec![vec![1, 2, 3]];
+    let inputs = write_ids_corpus(&corpus, &docs, 1);
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let set_old = |p: &Path| {
+        std::fs::File::open(p).unwrap().set_modified(old).unwrap();
+    };
+    // What a SIGKILLed build leaves: a runs directory and a model temp file, lock released.
+    let (runs, lock) = dart_ngram::scratch::tempdir(d, "runs").unwrap();
+    drop(lock);
+    let runs = runs.keep();
+    std::fs::write(runs.join("order2-000001.run"), b"x").unwrap();
+    set_old(&runs);
+    let tmp = dart_ngram::scratch::tempfile(d, "write")
+        .unwrap()
+        .into_temp_path()
+        .keep()
+        .unwrap();
+    set_old(&tmp);
+    // A build still running (its lock held) and someone else's hidden file.
+    let live = dart_ngram::scratch::tempfile(d, "write").unwrap();
+    set_old(live.path());
+    std::fs::write(d.join(".keep.tmp"), b"x").unwrap();
+    build(&ids_opts(inputs, d.join("m.ngram"), 4, None)).unwrap();
+    assert!(!runs.exists() && !tmp.exists());
+    assert!(live.path().exists() && d.join(".keep.tmp").exists());
+    check_model(&d.join("m.ngram"), &docs, 3, 4, 1);
 }

@@ -83,11 +83,27 @@ pub fn collect_inputs(paths: &[PathBuf]) -> Result<Vec<InputFile>> {
                     p.display()
                 )));
             }
+        } else if meta.is_file() && is_model(p) {
+            return Err(NGramError::InvalidArgument(format!(
+                "{}: this is a DART n-gram model, not corpus text; give the corpus files",
+                p.display()
+            )));
         } else {
             out.push(classify(p, &meta));
         }
     }
     Ok(out)
+}
+
+/// Whether the regular file `path` starts with the n-gram model magic (an earlier build's
+/// output sitting in a corpus directory is skipped, not read as text). Never called on pipes:
+/// reading them would consume the corpus.
+fn is_model(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok_and(|()| magic == dart_ngram::format::MAGIC)
 }
 
 fn walk(dir: &Path, out: &mut Vec<InputFile>) -> Result<()> {
@@ -108,7 +124,7 @@ fn walk(dir: &Path, out: &mut Vec<InputFile>) -> Result<()> {
         let meta = std::fs::metadata(&path).map_err(|e| NGramError::io(&path, e))?;
         if meta.is_dir() {
             walk(&path, out)?;
-        } else if meta.is_file() {
+        } else if meta.is_file() && !is_model(&path) {
             out.push(classify(&path, &meta));
         }
     }

@@ -467,6 +467,8 @@ pub struct ExternalCounter {
     bits: u32,
     policy: DuplicatePolicy,
     dir: tempfile::TempDir,
+    /// Held while the runs are in use: marks the directory as a live job's scratch.
+    _lock: std::fs::File,
     /// Run files per order (index `order - 2`).
     runs: Vec<Vec<PathBuf>>,
     spills: u64,
@@ -497,16 +499,15 @@ impl ExternalCounter {
         policy: DuplicatePolicy,
         tmp_parent: &Path,
     ) -> Result<Self> {
-        let dir = tempfile::Builder::new()
-            .prefix(".dart-ngram-runs-")
-            .tempdir_in(tmp_parent)
-            .map_err(|e| spill_io(tmp_parent, e))?;
+        dart_ngram::scratch::clean_stale(tmp_parent);
+        let (dir, lock) = dart_ngram::scratch::tempdir(tmp_parent, "runs")?;
         Ok(ExternalCounter {
             table: CountTable::with_bytes(table_bytes),
             max_order,
             bits,
             policy,
             dir,
+            _lock: lock,
             runs: vec![Vec::new(); max_order.saturating_sub(1)],
             spills: 0,
             next_file: 0,
@@ -635,6 +636,7 @@ impl ExternalCounter {
             spills: self.spills,
             source: self.source,
             _dir: self.dir,
+            _lock: self._lock,
         })
     }
 }
@@ -661,6 +663,7 @@ pub struct SortedCounts {
     spills: u64,
     source: Option<PathBuf>,
     _dir: tempfile::TempDir,
+    _lock: std::fs::File,
 }
 
 impl SortedCounts {

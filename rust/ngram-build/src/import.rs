@@ -160,6 +160,35 @@ impl<'p> Cursor<'p> {
     }
 }
 
+/// Allocates `len` bytes of disk for `file` (not a sparse `set_len`): a full disk is then
+/// an error here, not a SIGBUS when a page of the mapping is first written.
+fn reserve(file: &File, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(|_| std::io::Error::other("file too large"))?;
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: a plain syscall on an open descriptor.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        // Filesystems without fallocate: write the zeros, which fails as cleanly when full.
+        libc::EOPNOTSUPP => {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut f = file;
+            f.seek(SeekFrom::Start(0))?;
+            let zeros = vec![0u8; 1 << 20];
+            let mut left = len as u64;
+            while left > 0 {
+                let n = left.min(zeros.len() as u64) as usize;
+                f.write_all(&zeros[..n])?;
+                left -= n as u64;
+            }
+            f.flush()
+        }
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
 /// The mapped record file: `(token u32, freq u32, parent u64)` per node id.
 struct Records {
     map: MmapMut,
@@ -168,16 +197,26 @@ struct Records {
 
 impl Records {
     fn create(dir: &Path, nodes: u64) -> Result<Self> {
-        let file = tempfile::Builder::new()
-            .prefix(".dart-import-nodes-")
-            .tempfile_in(dir)
-            .map_err(|e| NGramError::io(dir, e))?;
         let bytes = nodes.checked_mul(RECORD_BYTES).ok_or_else(|| {
             NGramError::InvalidArgument(format!("{nodes} nodes do not fit a record file"))
         })?;
-        file.as_file()
-            .set_len(bytes)
-            .map_err(|e| NGramError::io(file.path(), e))?;
+        dart_ngram::scratch::clean_stale(dir);
+        let file = dart_ngram::scratch::tempfile(dir, "import")?;
+        reserve(file.as_file(), bytes).map_err(|e| {
+            let hint = if e.raw_os_error() == Some(libc::ENOSPC) {
+                format!(
+                    ": the {nodes} nodes' records need {bytes} bytes in {}; free space or \
+                     point the temporary directory elsewhere (--tmp-dir)",
+                    dir.display()
+                )
+            } else {
+                String::new()
+            };
+            NGramError::io(
+                file.path(),
+                std::io::Error::new(e.kind(), format!("{e}{hint}")),
+            )
+        })?;
         // SAFETY: the file is a private temporary that nothing else maps or truncates.
         let map = unsafe { MmapMut::map_mut(file.as_file()) }
             .map_err(|e| NGramError::io(file.path(), e))?;
@@ -402,6 +441,10 @@ pub fn import_dart(opts: &ImportOptions) -> Result<ImportReport> {
         .as_deref()
         .map(LoadedTokenizer::load)
         .transpose()?;
+    writer::check_not_an_input(
+        &opts.output,
+        std::iter::once(opts.trie.as_path()).chain(tokenizer.as_ref().map(|t| t.path())),
+    )?;
     let input_bytes = std::fs::metadata(&opts.trie)
         .map_err(|e| NGramError::io(&opts.trie, e))?
         .len();
@@ -460,7 +503,7 @@ pub fn import_dart(opts: &ImportOptions) -> Result<ImportReport> {
     let order = scan.order as usize;
     key::check_order_fits(order, vocab_size)?;
     let bits = key::token_bits(vocab_size);
-    let unigram_bytes = u64::from(vocab_size) * 8;
+    let unigram_bytes = crate::build::check_vocab_fits(vocab_size, opts.memory)?;
     let mut counter = ExternalCounter::new(
         opts.memory
             .saturating_sub(unigram_bytes)

@@ -323,3 +323,99 @@ fn every_truncation_and_trailing_bytes() {
     assert!(e.contains("children but only"), "{e}");
     assert!(!out.exists());
 }
+
+/// A tiny order-2 trie naming token 2^31 - 1 with no vocabulary given: refused before the
+/// 2^31-entry unigram array is allocated, and nothing left behind.
+#[test]
+fn huge_token_ids_stay_within_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let big = i32::MAX;
+    let nodes = vec![
+        RefNode {
+            token: crate::reference::ROOT_TOKEN,
+            parent: 0,
+            freq: 2,
+            children: vec![(big, 1)],
+        },
+        RefNode {
+            token: big,
+            parent: 0,
+            freq: 2,
+            children: vec![],
+        },
+    ];
+    let trie = d.join("t.trie");
+    write_nodes(&trie, 2, &nodes).unwrap();
+    let out = d.join("m.ngram");
+    let e = import_dart(&opts(&trie, &out)).unwrap_err().to_string();
+    assert!(
+        e.contains("2147483648 ids") && e.contains("memory budget"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    assert_eq!(
+        std::fs::read_dir(d).unwrap().count(),
+        1,
+        "only the trie is left"
+    );
+}
+
+/// The output may not be the trie or the tokenizer (same file by any path).
+#[test]
+fn output_that_is_an_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let trie = dir.path().join("t.trie");
+    write_nodes(&trie, 3, &sample_nodes()).unwrap();
+    let before = std::fs::read(&trie).unwrap();
+    let link = dir.path().join("link.trie");
+    std::fs::hard_link(&trie, &link).unwrap();
+    for out in [&trie, &link] {
+        let e = import_dart(&opts(&trie, out)).unwrap_err().to_string();
+        assert!(e.contains("the output is the input"), "{e}");
+    }
+    assert_eq!(std::fs::read(&trie).unwrap(), before);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Random damage to a valid `.trie` (overwritten bytes, truncation, junk appended): the
+    /// import either succeeds with a model that opens, or fails with a clean error naming the
+    /// file; it never panics, and a failure leaves no output and no scratch behind.
+    #[test]
+    fn damaged_tries_fail_cleanly(
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+        cut in proptest::option::of(any::<usize>()),
+        junk in proptest::collection::vec(any::<u8>(), 0..4),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let trie = d.join("t.trie");
+        write_nodes(&trie, 3, &sample_nodes()).unwrap();
+        let mut bytes = std::fs::read(&trie).unwrap();
+        for (i, v) in edits {
+            let n = bytes.len();
+            bytes[i % n] = v;
+        }
+        if let Some(c) = cut {
+            let n = bytes.len();
+            bytes.truncate(c % n);
+        }
+        bytes.extend(junk);
+        std::fs::write(&trie, &bytes).unwrap();
+        let out = d.join("m.ngram");
+        let mut o = opts(&trie, &out);
+        o.vocab_size = Some(64);
+        match import_dart(&o) {
+            Ok(_) => {
+                NGramModel::open(&out).unwrap();
+            }
+            Err(e) => {
+                prop_assert!(e.to_string().contains("t.trie") || matches!(e, NGramError::InvalidArgument(_)), "{}", e);
+                prop_assert!(!out.exists());
+                prop_assert_eq!(std::fs::read_dir(d).unwrap().count(), 1, "scratch left: {}", e);
+            }
+        }
+    }
+}

@@ -212,6 +212,13 @@ fn bench_model<M: Measurement + 'static>(c: &mut Criterion<M>, name: &str, path:
     c.bench_function(&format!("{name}/open"), |b| {
         b.iter(|| NGramModel::open(black_box(path)).unwrap())
     });
+    let skip = dart_ngram::OpenOptions {
+        skip_checksums: true,
+        ..Default::default()
+    };
+    c.bench_function(&format!("{name}/open_skip_checksums"), |b| {
+        b.iter(|| NGramModel::open_with(black_box(path), &skip).unwrap())
+    });
     let work = workload(&m, 1024);
     let mut probs = [0f32; 25];
     let mut matched = [0u8; 25];

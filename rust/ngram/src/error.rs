@@ -27,6 +27,12 @@ pub enum NGramError {
     /// Truncated, checksum mismatch, inconsistent sections, out-of-range offsets.
     #[error("{path}: corrupt model: {detail}")]
     Corrupt { path: PathBuf, detail: String },
+    /// The mapped model file was modified in place after it was opened.
+    #[error(
+        "{path}: the model file was modified in place after it was opened ({detail}); reopen \
+         it (replace model files by renaming a new file over them), or open it in memory"
+    )]
+    Changed { path: PathBuf, detail: String },
     /// The model was built with another tokenizer than the one in use.
     #[error("tokenizer mismatch: {detail}")]
     TokenizerMismatch { detail: String },

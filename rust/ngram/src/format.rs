@@ -3,7 +3,7 @@
 //!
 //! Parsing checks the magic, the version, the header checksum and that every section lies
 //! inside the file with exactly the size its counts imply. That is O(order), never a scan of
-//! the data: full section checksums are [`crate::model::NGramModel::verify`]'s job.
+//! the data: section checksums are checked by [`crate::model::NGramModel`]'s open.
 
 use std::path::Path;
 
@@ -528,6 +528,7 @@ impl Header {
                 expected.len()
             )));
         }
+        let mut at = u64::from(self.header_len);
         for (s, (kind, order, len)) in self.sections.iter().zip(&expected) {
             if s.kind != *kind || s.order != *order {
                 return Err(corrupt(format!(
@@ -557,6 +558,24 @@ impl Header {
                     s.length
                 )));
             }
+            // Sections follow the header and each other without gaps, so every byte of the
+            // file is covered by the header checksum or a section checksum.
+            if s.offset != at {
+                return Err(corrupt(format!(
+                    "section {} of order {order} starts at byte {}, expected {at} (right after \
+                     the previous one)",
+                    kind.name(),
+                    s.offset
+                )));
+            }
+            at = s.offset + s.length;
+        }
+        if at != file_len {
+            return Err(corrupt(format!(
+                "{} bytes after the last section (the sections end at byte {at} of the \
+                 {file_len}-byte file)",
+                file_len - at
+            )));
         }
         Ok(())
     }

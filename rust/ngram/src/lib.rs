@@ -1,6 +1,7 @@
 //! DART's n-gram engine.
 //!
-//! * [`model::NGramModel`] opens a `.ngram` file with `mmap` in O(1) and answers
+//! * [`model::NGramModel`] opens a `.ngram` file with `mmap` (checking its header and,
+//!   by default, every section checksum: one read of the file) and answers
 //!   `P(c | context)` (longest-context backoff, DESIGN.md section 3), raw counts and top-K
 //!   continuations without copying anything out of the file.
 //! * [`merge`] adds models built from disjoint shards of a corpus.
@@ -29,6 +30,7 @@ pub mod format;
 pub mod key;
 pub mod merge;
 pub mod model;
+pub mod scratch;
 pub mod writer;
 
 #[cfg(test)]
@@ -36,5 +38,5 @@ mod testutil;
 
 pub use error::{NGramError, Result};
 pub use merge::{merge_models, MergeOptions};
-pub use model::{Info, NGramModel, OpenOptions};
+pub use model::{Info, Integrity, NGramModel, OpenOptions};
 pub use writer::{write_model, CountStream, ModelMeta, WriteOptions, WriteReport};

@@ -52,6 +52,7 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
             "merge min_count 0; use 1 to keep every n-gram".into(),
         ));
     }
+    crate::writer::check_not_an_input(output, inputs.iter().copied())?;
     let models = inputs
         .iter()
         .map(|p| NGramModel::open(p))

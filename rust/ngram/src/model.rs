@@ -1,7 +1,8 @@
 //! [`NGramModel`]: a `.ngram` file mapped into memory and queried in place.
 //!
-//! Opening reads and checks the header only (O(order), no scan, no RAM beyond the pages
-//! touched). Queries walk the CSR levels: a context is located once per suffix length, then
+//! Opening checks the header and section table (O(order)) and, by default, every section's
+//! checksum (one sequential read; `skip_checksums` limits that to the small sections, see
+//! [`Integrity`]). Queries walk the CSR levels: a context is located once per suffix length, then
 //! each candidate is looked up among that context's children (sorted by token id): a jump
 //! through the context's child buckets (version 2) to a few entries, then a binary search of
 //! those (one vector compare for 16-bit token columns); `prob_many` runs its candidates'
@@ -19,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::bits::{width_for, Packed};
 use crate::error::{NGramError, Result};
-use crate::format::{BucketSlice, Header, SectionKind, FIXED_HEADER, NO_EOS};
+use crate::format::{BucketSlice, Header, Section, SectionKind, FIXED_HEADER, NO_EOS};
 use crate::writer::ModelMeta;
 
 /// How to open a model.
@@ -27,6 +28,11 @@ use crate::writer::ModelMeta;
 pub struct OpenOptions {
     /// Check every section's checksum and invariants (a full scan) before returning.
     pub verify: bool,
+    /// Skip the checksums of the large sections on open (see [`Integrity`]): the header, the
+    /// section table and the small sections every query reads are still checked. For models
+    /// too large to read once at open; their corrupt bytes are then found only where a query's
+    /// range checks catch them, or by `verify`.
+    pub skip_checksums: bool,
     /// Read the whole file into the page cache now (`MAP_POPULATE`) instead of on first touch.
     pub populate: bool,
     /// Pin the pages in RAM (`mlock`); needs `RLIMIT_MEMLOCK` to allow it.
@@ -37,6 +43,47 @@ pub struct OpenOptions {
     /// for the whole model, and in exchange 2 MB pages, so the random lookups of a prune stop
     /// missing the TLB (page-cache mappings get 4 KB pages on most kernels).
     pub in_memory: bool,
+}
+
+/// How much of a file open checked (see [`OpenOptions`] and `docs/ngram-format.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Integrity {
+    /// Header and section table (their checksum), and the checksums of the sections indexed
+    /// by token id (order 1, child buckets excepted) and of every count table.
+    Small,
+    /// Besides, every section's checksum: every byte of the file is covered (the default).
+    Checksums,
+    /// Besides, every structural invariant ([`NGramModel::verify`]).
+    Verified,
+}
+
+/// Whether `s` is one of the sections checked on every open: O(vocabulary + distinct counts)
+/// bytes, read by nearly every query (unigram counts and token keys, order-1 offsets and top
+/// lists, the count tables that turn ranks into counts).
+fn always_checked(s: &Section) -> bool {
+    match s.kind {
+        SectionKind::CountValues => true,
+        SectionKind::ChildBuckets => false,
+        _ => s.order == 1,
+    }
+}
+
+/// The file's identity and version at open, to notice it being rewritten in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp {
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        }
+    }
 }
 
 /// A packed column: where it lies in the file and its shape.
@@ -83,6 +130,10 @@ struct Probe {
 
 /// Children up to which a single lookup skips the child buckets.
 const SMALL_CONTEXT: u64 = 64;
+
+/// Most answers one batched top-k call may ask for (`rows * k`): its output takes 12 bytes
+/// per answer, so this bounds it at 768 MiB, checked before anything is allocated.
+pub const MAX_TOP_K_ANSWERS: u64 = 1 << 26;
 
 /// Size of the candidate blocks of `prob_many` (their search state lives on the stack).
 const BLOCK: usize = 64;
@@ -182,6 +233,8 @@ pub struct Info {
     pub bytes_per_ngram: f64,
     pub source: String,
     pub sections: Vec<SectionInfo>,
+    /// What open checked.
+    pub integrity: Integrity,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -203,6 +256,11 @@ pub struct NGramModel {
     /// Children up to which a single lookup skips the child buckets ([`SMALL_CONTEXT`];
     /// tests lower it to reach the buckets in small models).
     small_context: u64,
+    /// What open checked.
+    integrity: Integrity,
+    /// The mapped file and its stamp at open (`None` for an in-memory copy, which cannot
+    /// change under us).
+    mapped: Option<(File, FileStamp)>,
 }
 
 impl std::fmt::Debug for NGramModel {
@@ -230,7 +288,8 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 }
 
 impl NGramModel {
-    /// Maps `path` and checks its header (magic, version, checksum, section bounds): O(1).
+    /// Maps `path` and checks its header (magic, version, checksum, section layout) and every
+    /// section's checksum.
     pub fn open(path: &Path) -> Result<Self> {
         Self::open_with(path, &OpenOptions::default())
     }
@@ -238,7 +297,14 @@ impl NGramModel {
     pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Self> {
         let io = |e: std::io::Error| NGramError::io(path, e);
         let file = File::open(path).map_err(io)?;
-        let file_len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            return Err(NGramError::io(
+                path,
+                std::io::Error::other("not a regular file"),
+            ));
+        }
+        let file_len = meta.len();
         if file_len == 0 {
             return Err(NGramError::Corrupt {
                 path: path.to_path_buf(),
@@ -258,6 +324,7 @@ impl NGramModel {
             unsafe { mo.map(&file) }.map_err(io)?
         };
         let header = Header::parse(path, &map, file_len)?;
+        let mapped = (!opts.in_memory).then(|| (file, FileStamp::of(&meta)));
         let mut model = NGramModel {
             path: path.to_path_buf(),
             map,
@@ -265,7 +332,17 @@ impl NGramModel {
             levels: Vec::new(),
             keys: None,
             small_context: SMALL_CONTEXT,
+            integrity: Integrity::Small,
+            mapped,
         };
+        // Checksums first: a flipped bit is then named as such, not by whichever range check
+        // it trips.
+        if opts.skip_checksums && !opts.verify {
+            model.check_sections(always_checked)?;
+        } else {
+            model.check_sections(|_| true)?;
+            model.integrity = Integrity::Checksums;
+        }
         model.levels = model.build_levels()?;
         model.keys = model
             .header
@@ -279,9 +356,62 @@ impl NGramModel {
             model.map.lock().map_err(io)?;
         }
         if opts.verify {
-            model.verify()?;
+            model.verify_invariants()?;
+            model.integrity = Integrity::Verified;
         }
         Ok(model)
+    }
+
+    /// Checks the checksums of the sections `which` selects (in parallel: one sequential
+    /// read of each).
+    fn check_sections(&self, which: impl Fn(&Section) -> bool + Sync) -> Result<()> {
+        use rayon::prelude::*;
+        self.header
+            .sections
+            .par_iter()
+            .filter(|s| which(s))
+            .try_for_each(|s| {
+                let bytes = &self.map[s.offset as usize..(s.offset + s.length) as usize];
+                let sum = xxh3_64(bytes);
+                if sum != s.checksum {
+                    return Err(self.corrupt(format!(
+                        "section {} of order {} fails its checksum (stored {:016x}, computed \
+                         {sum:016x})",
+                        s.kind.name(),
+                        s.order,
+                        s.checksum
+                    )));
+                }
+                Ok(())
+            })
+    }
+
+    /// What open checked.
+    pub fn integrity(&self) -> Integrity {
+        self.integrity
+    }
+
+    /// Fails when the mapped file was modified in place (written, truncated) since open: its
+    /// bytes, which every query reads, are no longer the ones checked. One `fstat`; always
+    /// `Ok` for a model opened `in_memory` (a private copy). Replacing the file by a rename is
+    /// safe and not reported: the mapping keeps the old file.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let Some((file, stamp)) = &self.mapped else {
+            return Ok(());
+        };
+        let now = file.metadata().map_err(|e| NGramError::io(&self.path, e))?;
+        let now = FileStamp::of(&now);
+        if now != *stamp {
+            return Err(NGramError::Changed {
+                path: self.path.clone(),
+                detail: if now.len != stamp.len {
+                    format!("{} bytes at open, {} now", stamp.len, now.len)
+                } else {
+                    "its modification time changed".into()
+                },
+            });
+        }
+        Ok(())
     }
 
     fn corrupt(&self, detail: impl Into<String>) -> NGramError {
@@ -463,6 +593,7 @@ impl NGramModel {
                     length: s.length,
                 })
                 .collect(),
+            integrity: self.integrity,
         }
     }
 
@@ -823,6 +954,8 @@ impl NGramModel {
     /// list; when `k` exceeds it (or continuations seen after a longer context use up the
     /// list), the context's children are partially sorted instead.
     pub fn top_k(&self, context: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        // At most `vocab_size` tokens have a probability; a larger k returns the same answer.
+        let k = k.min(self.header.vocab_size as usize);
         let mut ctxs = Vec::new();
         self.suffixes(context, &mut ctxs)?;
         let mut found: Vec<(f64, u32)> = Vec::new();
@@ -914,6 +1047,26 @@ impl NGramModel {
         Ok(found.into_iter().map(|(p, t)| (t, p as f32)).collect())
     }
 
+    /// Checks a batched top-k request of `rows` contexts before its `rows x k` answers are
+    /// allocated: `k` at most the vocabulary size, `rows * k` at most [`MAX_TOP_K_ANSWERS`].
+    pub fn check_top_k(&self, rows: usize, k: usize) -> Result<()> {
+        let vocab = self.header.vocab_size;
+        if k as u64 > u64::from(vocab) {
+            return Err(NGramError::InvalidArgument(format!(
+                "top-k: k = {k} exceeds the vocabulary size {vocab} (at most {vocab} tokens can \
+                 have a probability)"
+            )));
+        }
+        let answers = (rows as u64).saturating_mul(k as u64);
+        if answers > MAX_TOP_K_ANSWERS {
+            return Err(NGramError::InvalidArgument(format!(
+                "top-k: {rows} contexts x k = {k} is {answers} answers, more than the \
+                 {MAX_TOP_K_ANSWERS} one call may ask for (split the batch)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Position of `ctx` in its order's top-context list, if it has a list.
     fn top_list_pos(&self, ctx: &Ctx) -> Result<Option<u64>> {
         let lv = &self.levels[ctx.order - 1];
@@ -991,19 +1144,13 @@ impl NGramModel {
     /// monotone and in range, children sorted and in the vocabulary, counts consistent, count
     /// tables sorted, top lists exactly the best children). Reads the whole file.
     pub fn verify(&self) -> Result<()> {
+        self.check_sections(|_| true)?;
+        self.verify_invariants()
+    }
+
+    /// [`Self::verify`] but the checksums.
+    fn verify_invariants(&self) -> Result<()> {
         let h = &self.header;
-        for s in &h.sections {
-            let bytes = &self.map[s.offset as usize..(s.offset + s.length) as usize];
-            let sum = xxh3_64(bytes);
-            if sum != s.checksum {
-                return Err(self.corrupt(format!(
-                    "section {} of order {} fails its checksum (stored {:016x}, computed {sum:016x})",
-                    s.kind.name(),
-                    s.order,
-                    s.checksum
-                )));
-            }
-        }
         let n_max = self.order();
         let mut sum = 0u64;
         let mut nonzero = 0u64;
@@ -1518,41 +1665,77 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         let hl = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
         let bad = dir.path().join("bad.ngram");
+        let skip = OpenOptions {
+            skip_checksums: true,
+            ..Default::default()
+        };
+        let mut caught_when_skipping = 0;
         for i in 0..bytes.len() {
             let mut b = bytes.clone();
             b[i] ^= 0x10;
             std::fs::write(&bad, &b).unwrap();
-            if i < hl {
-                let err = NGramModel::open(&bad).expect_err(&format!("header byte {i}"));
-                let expect = match i {
-                    0..=7 => matches!(err, NGramError::NotAModel { .. }),
-                    8..=11 => matches!(err, NGramError::UnsupportedVersion { .. }),
-                    _ => matches!(err, NGramError::Corrupt { .. }),
-                };
-                assert!(expect, "byte {i}: {err}");
-            } else {
-                // Open's O(1) cross-checks may catch it; otherwise verify must.
-                let m = match NGramModel::open(&bad) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        assert!(matches!(e, NGramError::Corrupt { .. }), "byte {i}: {e}");
-                        continue;
-                    }
-                };
-                let err = m.verify().expect_err(&format!("section byte {i}"));
-                assert!(err.to_string().contains("checksum"), "{err}");
-                let opts = OpenOptions {
-                    verify: true,
-                    ..Default::default()
-                };
-                assert!(NGramModel::open_with(&bad, &opts).is_err());
-                exercise(&m);
+            // The default open checks every byte: the header by its checksum, the sections by
+            // theirs.
+            let err = NGramModel::open(&bad).expect_err(&format!("byte {i}"));
+            let expect = match i {
+                0..=7 => matches!(err, NGramError::NotAModel { .. }),
+                8..=11 => matches!(err, NGramError::UnsupportedVersion { .. }),
+                _ => matches!(err, NGramError::Corrupt { .. }),
+            };
+            assert!(expect, "byte {i}: {err}");
+            if i >= hl {
+                assert!(err.to_string().contains("checksum"), "byte {i}: {err}");
+            }
+            // Skipping the large sections' checksums: header and small sections still caught;
+            // the rest is caught by verify, and queries never panic.
+            match NGramModel::open_with(&bad, &skip) {
+                Ok(m) => {
+                    assert!(i >= hl, "header byte {i} passed");
+                    let s = m
+                        .header
+                        .sections
+                        .iter()
+                        .find(|s| (s.offset..s.offset + s.length).contains(&(i as u64)))
+                        .unwrap();
+                    assert!(!always_checked(s), "byte {i} of {s:?} passed");
+                    let err = m.verify().expect_err(&format!("section byte {i}"));
+                    assert!(err.to_string().contains("checksum"), "{err}");
+                    exercise(&m);
+                }
+                Err(e) => {
+                    assert!(matches!(
+                        e,
+                        NGramError::Corrupt { .. }
+                            | NGramError::NotAModel { .. }
+                            | NGramError::UnsupportedVersion { .. }
+                    ));
+                    caught_when_skipping += 1;
+                }
             }
         }
+        assert!(
+            caught_when_skipping > hl,
+            "the small sections are checked too"
+        );
         // The pristine file answers correctly after all that.
         let m = NGramModel::open(&path).unwrap();
+        assert_eq!(m.integrity(), Integrity::Checksums);
         m.verify().unwrap();
         check_against(&m, &c, &contexts_of(&c));
+        let m = NGramModel::open_with(&path, &skip).unwrap();
+        assert_eq!(m.integrity(), Integrity::Small);
+        check_against(&m, &c, &contexts_of(&c));
+    }
+
+    /// Recomputes every section checksum after the data was patched, as a buggy writer that
+    /// wrote wrong data would have: only range checks at query time can catch it.
+    fn rechecksum(path: &Path) {
+        let bytes = std::fs::read(path).unwrap();
+        let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
+        for s in &mut h.sections {
+            s.checksum = xxh3_64(&bytes[s.offset as usize..(s.offset + s.length) as usize]);
+        }
+        patch_header(path, |x| *x = h);
     }
 
     /// Rewrites a header field with a valid checksum, as a buggy writer would.
@@ -1620,7 +1803,7 @@ mod tests {
         let (path, _) = small_model(dir.path());
         let mut bytes = std::fs::read(&path).unwrap();
         let m = NGramModel::open(&path).unwrap();
-        // Point token 1's children past the end of order 2 (checksums left stale on purpose).
+        // Point token 1's children past the end of order 2 (checksums then recomputed).
         let s = *m.header.section(SectionKind::ChildOffsets, 1).unwrap();
         let w = m.header.orders[0].child_width;
         drop(m);
@@ -1630,6 +1813,8 @@ mod tests {
             bytes[at / 8] |= 1 << (at % 8);
         }
         std::fs::write(&path, &bytes).unwrap();
+        assert!(NGramModel::open(&path).is_err(), "stale checksum");
+        rechecksum(&path);
         let m = NGramModel::open(&path).unwrap();
         let err = m.prob(&[1, 2], 3).unwrap_err();
         assert!(
@@ -1647,7 +1832,7 @@ mod tests {
         let mut bytes = std::fs::read(&path).unwrap();
         let m = NGramModel::open(&path).unwrap();
         m.verify().unwrap();
-        // Every bucket entry of token 1's children set to all ones (checksums left stale).
+        // Every bucket entry of token 1's children set to all ones (checksums then recomputed).
         let (lo, hi) = m.children_of(1, 1).unwrap();
         let slice = BucketSlice::new(lo, hi, m.header.bucket_stride);
         assert!(slice.entries > 0, "token 1 has bucket entries at stride 1");
@@ -1659,6 +1844,8 @@ mod tests {
             bytes[at / 8] |= 1 << (at % 8);
         }
         std::fs::write(&path, &bytes).unwrap();
+        assert!(NGramModel::open(&path).is_err(), "stale checksum");
+        rechecksum(&path);
         let mut m = NGramModel::open(&path).unwrap();
         m.small_context = 0;
         for r in [m.prob(&[1, 2], 3).map(|_| ()), m.count(&[1, 2]).map(|_| ())] {
@@ -1670,6 +1857,154 @@ mod tests {
         }
         assert!(m.verify().is_err());
         exercise(&m);
+    }
+
+    /// A damage done to a valid file: flip bits, overwrite bytes, cut or extend it.
+    #[derive(Clone, Debug)]
+    enum Damage {
+        Flip(usize, u8),
+        Set(usize, u8),
+        Truncate(usize),
+        Extend(Vec<u8>),
+    }
+
+    fn damage() -> impl Strategy<Value = Damage> {
+        prop_oneof![
+            4 => (any::<usize>(), 0u8..8).prop_map(|(i, b)| Damage::Flip(i, b)),
+            2 => (any::<usize>(), any::<u8>()).prop_map(|(i, v)| Damage::Set(i, v)),
+            1 => any::<usize>().prop_map(Damage::Truncate),
+            1 => proptest::collection::vec(any::<u8>(), 1..64).prop_map(Damage::Extend),
+        ]
+    }
+
+    fn apply(bytes: &mut Vec<u8>, d: &Damage) {
+        let n = bytes.len();
+        match d {
+            Damage::Flip(i, b) => bytes[i % n] ^= 1 << b,
+            Damage::Set(i, v) => bytes[i % n] = *v,
+            Damage::Truncate(i) => bytes.truncate(i % n),
+            Damage::Extend(more) => bytes.extend(more),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// One bit flipped anywhere in the header or the section table: always refused on
+        /// open, checksums skipped or not.
+        #[test]
+        fn header_bit_flips_are_always_detected(i in any::<usize>(), bit in 0u8..8, stride in 0u32..2) {
+            let dir = tempfile::tempdir().unwrap();
+            let (path, _) = small_model_with(dir.path(), stride);
+            let mut bytes = std::fs::read(&path).unwrap();
+            let hl = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+            bytes[i % hl] ^= 1 << bit;
+            std::fs::write(&path, &bytes).unwrap();
+            for skip_checksums in [false, true] {
+                let opts = OpenOptions { skip_checksums, ..Default::default() };
+                prop_assert!(NGramModel::open_with(&path, &opts).is_err(), "byte {}", i % hl);
+            }
+        }
+
+        /// Random damage (bit flips, overwritten bytes, truncation, junk appended): the default
+        /// open refuses every changed file with a clean error, and whatever opens without
+        /// checksums answers every query (or errs) without panicking.
+        #[test]
+        fn damaged_files_never_panic(ds in proptest::collection::vec(damage(), 1..6), stride in 0u32..2) {
+            let dir = tempfile::tempdir().unwrap();
+            let (path, _) = small_model_with(dir.path(), stride);
+            let good = std::fs::read(&path).unwrap();
+            let mut bytes = good.clone();
+            for d in &ds {
+                if !bytes.is_empty() {
+                    apply(&mut bytes, d);
+                }
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            for in_memory in [false, true] {
+                let opts = OpenOptions { in_memory, ..Default::default() };
+                match NGramModel::open_with(&path, &opts) {
+                    Ok(m) => {
+                        prop_assert_eq!(&bytes, &good, "a damaged file opened");
+                        exercise(&m);
+                    }
+                    Err(e) => {
+                        prop_assert!(bytes != good, "{}", e);
+                        prop_assert!(e.to_string().contains("small.ngram"), "{}", e);
+                    }
+                }
+            }
+            let skip = OpenOptions { skip_checksums: true, ..Default::default() };
+            if let Ok(m) = NGramModel::open_with(&path, &skip) {
+                exercise(&m);
+            }
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_and_gaps_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let bytes = std::fs::read(&path).unwrap();
+        let bad = dir.path().join("bad.ngram");
+        for junk in [1usize, 8, 1000] {
+            let mut b = bytes.clone();
+            b.extend(std::iter::repeat_n(0u8, junk));
+            std::fs::write(&bad, &b).unwrap();
+            let err = NGramModel::open(&bad).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains(&format!("{junk} bytes after the last section")),
+                "{err}"
+            );
+        }
+        // A gap between two sections (offsets moved, checksum valid) is refused too.
+        std::fs::write(&bad, &bytes).unwrap();
+        patch_header(&bad, |h| {
+            let last = h.sections.len() - 1;
+            h.sections[last].offset += 8;
+        });
+        let mut b = std::fs::read(&bad).unwrap();
+        b.extend([0u8; 8]);
+        std::fs::write(&bad, &b).unwrap();
+        let err = NGramModel::open(&bad).unwrap_err();
+        assert!(err.to_string().contains("right after"), "{err}");
+    }
+
+    #[test]
+    fn a_file_rewritten_in_place_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = small_model(dir.path());
+        let bytes = std::fs::read(&path).unwrap();
+        let mapped = NGramModel::open(&path).unwrap();
+        let copied = NGramModel::open_with(
+            &path,
+            &OpenOptions {
+                in_memory: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        mapped.check_unchanged().unwrap();
+        // Replaced by a rename: the mapping keeps the old file, nothing to report.
+        let other = dir.path().join("new.ngram");
+        std::fs::write(&other, &bytes).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        mapped.check_unchanged().unwrap();
+        let mapped = NGramModel::open(&path).unwrap();
+        // Rewritten in place (same inode, as `cp` over it does): reported, not a SIGBUS later.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(bytes.len() as u64 / 2)
+            .unwrap();
+        let err = mapped.check_unchanged().unwrap_err();
+        assert!(matches!(err, NGramError::Changed { .. }), "{err}");
+        assert!(err.to_string().contains("modified in place"), "{err}");
+        // The in-memory copy is unaffected and still answers.
+        copied.check_unchanged().unwrap();
+        copied.top_k(&[1], 3).unwrap();
     }
 
     #[test]
@@ -1777,6 +2112,7 @@ mod tests {
                 lock: false,
                 huge_pages: true,
                 in_memory,
+                skip_checksums: false,
             };
             let m = NGramModel::open_with(&path, &opts).unwrap();
             check_against(&m, &c, &contexts_of(&c));

@@ -78,6 +78,31 @@ pub struct WriteReport {
 
 const BUF: usize = 1 << 20;
 
+/// Refuses an `output` that is one of `inputs` (the same file, also through another path, a
+/// symbolic link or a hard link): writing the model would replace what is being read.
+pub fn check_not_an_input<'a>(
+    output: &Path,
+    inputs: impl IntoIterator<Item = &'a Path>,
+) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(out) = std::fs::metadata(output) else {
+        return Ok(()); // a new file is nobody's input
+    };
+    for p in inputs {
+        if let Ok(m) = std::fs::metadata(p) {
+            if m.dev() == out.dev() && m.ino() == out.ino() {
+                return Err(NGramError::InvalidArgument(format!(
+                    "{}: the output is the input {} (the same file); writing it would destroy \
+                     the input, choose another output path",
+                    output.display(),
+                    p.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Writes a model to `path` atomically (temporary file + fsync + rename).
 ///
 /// `unigrams` has `meta.vocab_size` entries; `higher[i]` holds the n-grams of order `i + 2`.
@@ -251,11 +276,8 @@ pub(crate) fn write_model_with_stride(
         .ok_or_else(|| bad("section sizes overflow 64 bits".into()))?;
     header.header_len = Header::byte_len(n_max, layout.len(), header.source.len()) as u32;
 
-    let tmp = tempfile::Builder::new()
-        .prefix(".dart-ngram-")
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .map_err(|e| NGramError::io(&dir, e))?;
+    crate::scratch::clean_stale(&dir);
+    let tmp = crate::scratch::tempfile(&dir, "write")?;
     let mut file = tmp.as_file().try_clone().map_err(io)?;
     file.seek(SeekFrom::Start(u64::from(header.header_len)))
         .map_err(io)?;

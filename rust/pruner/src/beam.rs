@@ -54,8 +54,38 @@ struct Scratch {
     lookup_ranks: Vec<u32>,
 }
 
+impl Scratch {
+    /// Bytes held by the buffers (their capacity).
+    fn bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.arena.capacity() * size_of::<Node>()
+            + (self.pool.capacity()
+                + self.level.capacity()
+                + self.level_eos.capacity()
+                + self.ties.capacity())
+                * size_of::<Ranked>()
+            + self.row_terms.capacity() * size_of::<f64>()
+            + (self.beam.capacity()
+                + self.ngram_contexts.capacity()
+                + self.ngram_context.capacity()
+                + self.out_index.capacity()
+                + self.lookup_ranks.capacity())
+                * size_of::<u32>()
+            + self.ngram_probs.capacity() * size_of::<f32>()
+    }
+}
+
+/// Scratch a thread keeps between calls; a larger one (left by an unusually large request) is
+/// freed after the call, so a burst of large requests does not stay resident in every thread.
+pub(crate) const SCRATCH_KEEP_BYTES: usize = 4 << 20;
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Bytes of scratch the calling thread holds.
+pub(crate) fn scratch_bytes() -> usize {
+    SCRATCH.with(|cell| cell.try_borrow().map_or(0, |s| s.bytes()))
 }
 
 /// Token ids of two equal-depth paths compared root to leaf.
@@ -145,7 +175,13 @@ pub(crate) fn run<S: NGramScorer + ?Sized>(
     search: &Search<'_>,
 ) -> Result<DraftTree> {
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => run_with(scorer, config, search, &mut scratch),
+        Ok(mut scratch) => {
+            let result = run_with(scorer, config, search, &mut scratch);
+            if scratch.bytes() > SCRATCH_KEEP_BYTES {
+                *scratch = Scratch::default();
+            }
+            result
+        }
         // Only reachable if a scorer re-enters the pruner on this thread.
         Err(_) => run_with(scorer, config, search, &mut Scratch::default()),
     })

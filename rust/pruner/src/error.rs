@@ -33,6 +33,16 @@ pub enum PrunerError {
         column: usize,
         value: f32,
     },
+    /// A request or configuration larger than the pruner's [`crate::PrunerLimits`].
+    #[error("{what} exceeds the limit {limit_name} = {limit} (raise it with the daemon's --{flag} flag or PrunerLimits::{limit_name}, or send a smaller request)", flag = limit_name.replace('_', "-"))]
+    LimitExceeded {
+        what: String,
+        limit_name: &'static str,
+        limit: usize,
+    },
+    /// The caller gave up on the request (the client went away, a deadline passed).
+    #[error("cancelled: the caller gave up on the request before it was pruned")]
+    Cancelled,
     /// A per-call budget of zero nodes, or an empty context.
     #[error("{0}")]
     InvalidArgument(String),

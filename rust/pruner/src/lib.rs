@@ -18,15 +18,19 @@
 mod beam;
 pub mod config;
 pub mod error;
+pub mod limits;
 pub mod lookup;
 pub mod rows;
 pub mod scorer;
 pub mod tree;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 pub use config::PrunerConfig;
 pub use error::{PrunerError, Result};
+pub use limits::PrunerLimits;
 pub use lookup::PromptLookup;
 pub use rows::{top_k_rows, Logit, TopKRows};
 pub use scorer::NGramScorer;
@@ -58,12 +62,21 @@ pub struct DraftRequest<'a> {
 pub struct Pruner<S> {
     scorer: S,
     config: PrunerConfig,
+    limits: PrunerLimits,
     eos: Option<u32>,
 }
 
 impl<S: NGramScorer> Pruner<S> {
+    /// A pruner with the default [`PrunerLimits`].
     pub fn new(scorer: S, config: PrunerConfig) -> Result<Self> {
+        Self::with_limits(scorer, config, PrunerLimits::default())
+    }
+
+    /// A pruner that refuses configurations and requests beyond `limits`.
+    pub fn with_limits(scorer: S, config: PrunerConfig, limits: PrunerLimits) -> Result<Self> {
         config.validate()?;
+        limits.validate()?;
+        limits.check_config(config.beam_width, config.max_nodes)?;
         let vocab_size = scorer.vocab_size();
         if let Some(eos) = config.eos_id {
             if eos >= vocab_size {
@@ -78,8 +91,13 @@ impl<S: NGramScorer> Pruner<S> {
         Ok(Pruner {
             scorer,
             config,
+            limits,
             eos,
         })
+    }
+
+    pub fn limits(&self) -> &PrunerLimits {
+        &self.limits
     }
 
     pub fn config(&self) -> &PrunerConfig {
@@ -116,6 +134,27 @@ impl<S: NGramScorer> Pruner<S> {
         reqs.par_iter().map(|r| self.prune(r)).collect()
     }
 
+    /// [`Pruner::prune_batch`] that gives up once `cancelled` is set: requests not started by
+    /// then get [`PrunerError::Cancelled`] (one request is bounded by the limits, so the work
+    /// left after cancellation is at most one request per thread).
+    pub fn prune_batch_until(
+        &self,
+        reqs: &[DraftRequest<'_>],
+        cancelled: &AtomicBool,
+    ) -> Vec<Result<DraftTree>> {
+        let one = |r: &DraftRequest<'_>| {
+            if cancelled.load(Ordering::Relaxed) {
+                Err(PrunerError::Cancelled)
+            } else {
+                self.prune(r)
+            }
+        };
+        if reqs.len() <= 1 {
+            return reqs.iter().map(one).collect();
+        }
+        reqs.par_iter().map(one).collect()
+    }
+
     fn validate<'a>(&self, req: &DraftRequest<'a>) -> Result<beam::Search<'a>> {
         let vocab_size = self.scorer.vocab_size();
         let &DraftRequest {
@@ -138,6 +177,11 @@ impl<S: NGramScorer> Pruner<S> {
                  candidate per level"
             )));
         }
+        let budget = budget.unwrap_or(self.config.max_nodes);
+        // Before anything scales with the request: the shape, the budget and the paths the
+        // search would score.
+        self.limits
+            .check_request(levels, k, budget, self.config.beam_width)?;
         let cells = levels
             .checked_mul(k)
             .ok_or_else(|| PrunerError::Shape(format!("shape ({levels}, {k}) overflows")))?;
@@ -159,7 +203,6 @@ impl<S: NGramScorer> Pruner<S> {
                 u32::MAX
             )));
         }
-        let budget = budget.unwrap_or(self.config.max_nodes);
         if budget == 0 {
             return Err(PrunerError::InvalidArgument(
                 "budget = 0; expected at least 1 node".into(),
@@ -217,6 +260,12 @@ impl<S: NGramScorer> Pruner<S> {
             lookup_path: &lookup_path[..lookup_path.len().min(budget)],
         })
     }
+}
+
+/// Bytes of per-thread scratch the calling thread keeps between calls (at most a few MiB:
+/// a larger scratch, left by a large request, is freed when the call ends).
+pub fn scratch_bytes_of_this_thread() -> usize {
+    beam::scratch_bytes()
 }
 
 /// Rejects a row holding the same token twice.

@@ -91,7 +91,7 @@ fn run_interruptible<T: Send + 'static>(
 #[pyo3(signature = (
     inputs, output, *, tokenizer=None, order=3, memory=None, threads=None, min_count=1,
     text_field=String::from("text"), eos_id=None, eos_token=None, no_eos=false, vocab_size=None,
-    tmp_dir=None, skip_bad_lines=false, progress=false
+    tmp_dir=None, skip_bad_lines=false, allow_empty=false, progress=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn build(
@@ -110,6 +110,7 @@ fn build(
     vocab_size: Option<u32>,
     tmp_dir: Option<PathBuf>,
     skip_bad_lines: bool,
+    allow_empty: bool,
     progress: bool,
 ) -> PyResult<Py<PyAny>> {
     let mut o = BuildOptions::new(inputs, output);
@@ -135,6 +136,7 @@ fn build(
     o.vocab_size = vocab_size;
     o.tmp_dir = tmp_dir;
     o.skip_bad_lines = skip_bad_lines;
+    o.allow_empty = allow_empty;
     o.progress = progress;
     let cancel = Arc::new(AtomicBool::new(false));
     o.cancel = Some(cancel.clone());

@@ -36,9 +36,10 @@ pub fn to_py(err: dart_ngram::NGramError) -> PyErr {
     let msg = err.to_string();
     // Exhaustive on purpose: a new variant must choose its Python class here.
     match err {
-        E::NotAModel { .. } | E::UnsupportedVersion { .. } | E::Corrupt { .. } => {
-            CorruptModelError::new_err(msg)
-        }
+        E::NotAModel { .. }
+        | E::UnsupportedVersion { .. }
+        | E::Corrupt { .. }
+        | E::Changed { .. } => CorruptModelError::new_err(msg),
         E::TokenizerMismatch { .. } => TokenizerMismatchError::new_err(msg),
         E::TokenOutOfVocab { .. } => TokenOutOfVocabError::new_err(msg),
         E::Io { .. }

@@ -61,7 +61,8 @@ fn json_to_py(py: Python<'_>, v: &impl serde::Serialize) -> PyResult<Py<PyAny>> 
 #[pymethods]
 impl PyNGram {
     #[new]
-    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false))]
+    #[allow(clippy::too_many_arguments)] // keyword-only options of one constructor
+    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false, checksums=true))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -70,6 +71,7 @@ impl PyNGram {
         lock: bool,
         huge_pages: bool,
         in_memory: bool,
+        checksums: bool,
     ) -> PyResult<Self> {
         let opts = OpenOptions {
             verify,
@@ -77,6 +79,7 @@ impl PyNGram {
             lock,
             huge_pages,
             in_memory,
+            skip_checksums: !checksums,
         };
         let model = py
             .detach(|| NGramModel::open_with(&path, &opts))
@@ -112,6 +115,7 @@ impl PyNGram {
     }
 
     fn count(&self, py: Python<'_>, tokens: PyReadonlyArray1<'_, i64>) -> PyResult<u64> {
+        self.model.check_unchanged().map_err(to_py)?;
         let t = ids(slice(&tokens, "tokens")?)?;
         py.detach(|| self.model.count(&t)).map_err(to_py)
     }
@@ -122,6 +126,7 @@ impl PyNGram {
         context: PyReadonlyArray1<'py, i64>,
         candidates: PyReadonlyArray1<'py, i64>,
     ) -> PyResult<Pair<'py, PyArray1<f32>, PyArray1<u8>>> {
+        self.model.check_unchanged().map_err(to_py)?;
         let ctx = ids(slice(&context, "context")?)?;
         let cands = ids(slice(&candidates, "candidates")?)?;
         let (probs, matched) = py
@@ -145,6 +150,7 @@ impl PyNGram {
         contexts: PyReadonlyArray2<'py, i64>,
         candidates: PyReadonlyArray2<'py, i64>,
     ) -> PyResult<Pair<'py, PyArray2<f32>, PyArray2<u8>>> {
+        self.model.check_unchanged().map_err(to_py)?;
         let (rows, width) = (contexts.shape()[0], contexts.shape()[1]);
         let (crows, ncand) = (candidates.shape()[0], candidates.shape()[1]);
         if rows != crows {
@@ -187,6 +193,8 @@ impl PyNGram {
         context: PyReadonlyArray1<'py, i64>,
         k: usize,
     ) -> PyResult<Pair<'py, PyArray1<i64>, PyArray1<f32>>> {
+        self.model.check_unchanged().map_err(to_py)?;
+        self.model.check_top_k(1, k).map_err(to_py)?;
         let ctx = ids(slice(&context, "context")?)?;
         let top = py.detach(|| self.model.top_k(&ctx, k)).map_err(to_py)?;
         let ids: Vec<i64> = top.iter().map(|x| i64::from(x.0)).collect();
@@ -200,7 +208,9 @@ impl PyNGram {
         contexts: PyReadonlyArray2<'py, i64>,
         k: usize,
     ) -> PyResult<Pair<'py, PyArray2<i64>, PyArray2<f32>>> {
+        self.model.check_unchanged().map_err(to_py)?;
         let (rows, width) = (contexts.shape()[0], contexts.shape()[1]);
+        self.model.check_top_k(rows, k).map_err(to_py)?;
         let ctx = ids(slice(&contexts, "contexts")?)?;
         let model = &self.model;
         let (ids_out, probs) = py

@@ -146,6 +146,8 @@ impl PyPruner {
         context_offset: usize,
         lookup_path: Option<PyReadonlyArray1<'py, i64>>,
     ) -> PyResult<PyTree<'py>> {
+        // A mapped model rewritten in place: a clear error, not its new bytes (or SIGBUS).
+        self.inner.scorer().check_unchanged().map_err(to_py)?;
         let (levels, k) = (topk_ids.shape()[0], topk_ids.shape()[1]);
         if topk_probs.shape() != topk_ids.shape() {
             return Err(PrunerError::new_err(format!(
@@ -227,6 +229,7 @@ impl PyPruner {
         context_offsets: Option<Vec<usize>>,
         lookup_paths: Option<Vec<Option<PyReadonlyArray1<'py, i64>>>>,
     ) -> PyResult<Vec<PyTree<'py>>> {
+        self.inner.scorer().check_unchanged().map_err(to_py)?;
         let shape = topk_ids.shape();
         let (batch, levels, k) = (shape[0], shape[1], shape[2]);
         if topk_probs.shape() != shape {

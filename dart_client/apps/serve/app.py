@@ -1,0 +1,342 @@
+"""The FastAPI app of ``dart serve`` and its command line.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (with
+``--api-key``: a ``Authorization: Bearer KEY`` header is required, else 401), ``GET /health``
+and ``GET /metrics`` (Prometheus; both open). SIGTERM / Ctrl-C: new requests get 503, the
+queued and running ones finish within ``--shutdown-grace`` seconds, the rest end with a 503
+error (in the stream, for streamed ones), then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dart_client.apps.serve.generation import Engine, Outcome, Step
+from dart_client.apps.serve.metrics import Metrics
+from dart_client.apps.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    bad_request,
+    check_request,
+    error_body,
+    sampling_of,
+)
+from dart_client.apps.serve.scheduler import Job, JobError, QueueFull, Scheduler, timeout_error
+from dart_client.errors import DartError
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+#: How often a waiting request checks that its client is still there.
+POLL_SECONDS = 0.25
+
+
+def create_app(
+    engine: Engine, scheduler: Scheduler, metrics: Metrics, api_key: str | None = None
+) -> FastAPI:
+    app = FastAPI(title="dart serve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(JobError)
+    async def _job_error(_: Request, err: JobError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = first.get("msg", "invalid request")
+        text = f"{where}: {message}" if where else message
+        return error_response(bad_request(text, where or None))
+
+    @app.exception_handler(DartError)
+    async def _dart_error(_: Request, err: DartError) -> JSONResponse:
+        return error_response(bad_request(str(err)))
+
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if scheduler.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", "queue_depth": scheduler.depth})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_id,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "dart",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    started = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Response:
+        check_request(req, engine.model_id)
+        if not engine.has_chat_template:
+            raise bad_request("this model has no chat template: use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = engine.encode_chat(messages)
+        return await run(req, ids, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        check_request(req, engine.model_id)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise bad_request("one prompt per request (n = 1)", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = engine.encode_text(prompt)
+        else:
+            if not prompt:
+                raise bad_request("the prompt is empty", "prompt")
+            ids = engine.check_ids([int(x) for x in prompt])
+        return await run(req, ids, request, chat=False)
+
+    async def run(
+        req: ChatRequest | CompletionRequest, ids: list[int], request: Request, chat: bool
+    ) -> Response:
+        sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
+        job = scheduler.submit(ids, sampling)
+        reply = Reply(chat, engine.model_id, len(ids))
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                stream(job, reply, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        checked = time.monotonic()
+        try:
+            while True:
+                message = await next_message(job, request)
+                if message is None:  # the client went away
+                    return Response(status_code=499)
+                if isinstance(message, JobError):
+                    return error_response(message)
+                if isinstance(message, Outcome):
+                    return JSONResponse(reply.full(message))
+                # Steps keep coming: look at the connection every POLL_SECONDS all the same.
+                if time.monotonic() - checked >= POLL_SECONDS:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return Response(status_code=499)
+        finally:
+            job.cancel()  # a no-op once the job has ended
+
+    async def next_message(job: Job, request: Request | None) -> Step | Outcome | JobError | None:
+        """The job's next message; a timeout error past its deadline; None when the client
+        of a non-streamed request disconnected."""
+        while True:
+            remaining = job.deadline - time.monotonic()
+            if remaining <= 0:
+                job.cancel()
+                return timeout_error(scheduler.timeout)
+            try:
+                return await asyncio.wait_for(job.messages.get(), min(POLL_SECONDS, remaining))
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    job.cancel()
+                    return None
+
+    async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects: `finally` then tells
+        # the worker, which drops the job at its next step.
+        try:
+            first = reply.chunk("", first=True) if reply.chat else None
+            if first is not None:
+                yield sse(first)
+            while True:
+                message = await next_message(job, None)
+                assert message is not None
+                if isinstance(message, JobError):
+                    yield sse(error_body(message))
+                    break
+                if isinstance(message, Outcome):
+                    yield sse(reply.chunk(None if reply.chat else "", message.finish_reason))
+                    if include_usage:
+                        yield sse(reply.usage_chunk(message))
+                    break
+                if message.text:
+                    yield sse(reply.chunk(message.text))
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+
+    return app
+
+
+def error_response(err: JobError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if isinstance(err, QueueFull) else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+class AuthAndCount:
+    """ASGI middleware: the API key on ``/v1/``, and requests counted by endpoint and status.
+
+    A plain ASGI middleware (not ``@app.middleware``): the endpoints then read the client's
+    own ``receive``, so a waiting non-streamed request sees its client disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        # Known paths only as label values: a scan of random paths must not grow the metrics.
+        endpoint = path if path in ENDPOINTS else "other"
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.request(endpoint, 401)
+                denied = JobError(
+                    401, "Invalid or missing API key", "authentication_error", "invalid_api_key"
+                )
+                await error_response(denied)(scope, receive, send)
+                return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -- dart serve ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dart_client.apps.serve.generation import add_engine_arguments
+
+    p = argparse.ArgumentParser(
+        prog="dart serve",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics) in front of one DART model.",
+    )
+    add_engine_arguments(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("DART_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ (default: $DART_API_KEY; none: open)",
+    )
+    g.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)"
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take, waiting included, before a 504 (default 600)",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish the requests in flight before ending them with 503",
+    )
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--log-level", default="info", help="uvicorn's log level")
+    return p
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """``dart serve``."""
+    import torch
+
+    from dart_client.apps.serve.generation import load_engine
+
+    args = build_parser().parse_args(list(argv))
+    for flag, value, minimum in (("--max-queue", args.max_queue, 1), ("--port", args.port, 0)):
+        if value < minimum:
+            raise DartError(f"{flag} must be >= {minimum}, got {value}")
+    if args.timeout <= 0 or args.shutdown_grace < 0:
+        raise DartError("--timeout must be > 0 and --shutdown-grace >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = load_engine(args)
+    metrics = Metrics()
+    scheduler = Scheduler(engine, max_queue=args.max_queue, timeout=args.timeout, observer=metrics)
+    app = create_app(engine, scheduler, metrics, api_key=args.api_key or None)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config, scheduler, args.shutdown_grace)
+    print(
+        f"dart serve: {engine.model_id} ({'DART' if engine.speculative else 'autoregressive'}"
+        f", context {engine.max_model_len}) on http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM / Ctrl-C drains the scheduler before the HTTP
+    side stops (a second one stops at once)."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+        self.grace = grace
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        print("dart serve: shutting down, finishing the requests in flight", file=sys.stderr)
+        threading.Thread(target=self._drain, name="dart-serve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        self.scheduler.shutdown(self.grace)
+        # Every job has its final message: uvicorn now waits for the responses to be written.
+        self.should_exit = True

@@ -1,0 +1,163 @@
+"""The server's one door into the model: loading it, encoding inputs, running a generation.
+
+Everything else in :mod:`dart_client.apps.serve` talks to :class:`Engine` only, so a change in how
+models load or how generation is called stays in this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dart_client.errors import InvalidArgumentError
+
+#: ``--max-model-len``'s default: the context a request may use, capped by the target's own.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one request asks of a generation (already validated by the protocol layer)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    tree_budget: int | None = None
+    speculative: bool = True
+
+
+@dataclass
+class Step:
+    """One generation step: its text delta and tokens, and DART's statistics of it."""
+
+    text: str
+    tokens: int
+    accept_length: int
+    timings: dict[str, float]
+
+
+@dataclass
+class Outcome:
+    """The end of a generation."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str  # OpenAI's: "stop" | "length"
+    mode: str  # "dart" | "ar"
+    tau: float
+    steps: int
+
+
+class Engine:
+    """A loaded model and the context limit requests must fit.
+
+    ``max_model_len`` bounds prompt + new tokens (each request's KV cache is sized to what it
+    asks for, never more than this)."""
+
+    def __init__(self, model: Any, model_id: str, max_model_len: int) -> None:
+        self.model = model
+        self.model_id = model_id
+        limit = model.target.max_positions
+        self.max_model_len = min(max_model_len, limit) if limit else max_model_len
+        self.speculative = model.head is not None and model.tree_builder is not None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.model.template is not None
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.model.encode_input(messages=messages)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return self.model.encode_input(prompt=prompt)
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """Token ids given by the client, checked against the vocabulary."""
+        return self.model.encode_input(input_ids=ids)
+
+    def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
+        """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
+        from dart_client.decoding.config import GenerationConfig
+
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            # The KV caches are sized to this request: prompt + new tokens (+ the bonus slot).
+            max_length=min(self.max_model_len, len(ids) + sampling.max_new_tokens + 1),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop=sampling.stop,
+            seed=sampling.seed,
+            tree_budget=sampling.tree_budget,
+        )
+        mode = "dart" if sampling.speculative and self.speculative else "ar"
+        stream = self.model.generate(ids, config, stream=True, mode=mode)
+        for event in stream:
+            yield Step(event.text, len(event.tokens), event.accept_length, event.timings)
+        result = stream.result
+        assert result is not None
+        yield Outcome(
+            text=result.text,
+            completion_tokens=len(result.tokens),
+            finish_reason="length" if result.finish_reason == "length" else "stop",
+            mode=result.mode,
+            tau=result.tau,
+            steps=result.steps,
+        )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model options of ``dart serve`` (those of ``dart generate``, plus the served name
+    and context)."""
+    from dart_client.apps.options import add_model_arguments
+
+    add_model_arguments(p)
+    g = p.add_argument_group("served model")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: 'dart-' + the target's file or hub name)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help=f"prompt + completion tokens a request may use (default {DEFAULT_MAX_MODEL_LEN}, "
+        "capped by the target's positions)",
+    )
+    g.add_argument(
+        "--tree-budget", type=int, default=None, help="draft nodes per step (default: the pruner's)"
+    )
+
+
+def load_engine(args: argparse.Namespace) -> Engine:
+    """The :class:`Engine` the command-line options describe. With no ``--base`` the embedded
+    default is served: SmolLM2-135M-Instruct, its shipped head and the ShareGPT 3-gram."""
+    from pathlib import Path
+
+    from dart_client.apps.options import load_model
+
+    if args.max_model_len < 2:
+        raise InvalidArgumentError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.base is None and not args.ar:
+        from dart_client.embedded import shipped_head
+
+        if args.head is None:
+            args.head = str(shipped_head())
+        if args.ngram is None and args.ngram_server is None:
+            args.ngram = "embedded"
+    model = load_model(args)
+    if args.tree_budget is not None:
+        if args.tree_budget < 0:
+            raise InvalidArgumentError(f"--tree-budget must be >= 0, got {args.tree_budget}")
+        model.tree_budget = args.tree_budget
+    name = args.served_model_name
+    if name is None:
+        base = Path(args.base).stem if args.base else "smollm2-135m-instruct"
+        name = f"dart-{base.split('/')[-1].lower()}"
+    return Engine(model, name, args.max_model_len)

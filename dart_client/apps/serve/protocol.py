@@ -1,0 +1,225 @@
+"""OpenAI's request fields and response shapes, as ``dart serve`` speaks them.
+
+Requests are validated by pydantic models (unknown fields are accepted and ignored, as
+OpenAI's clients send some, except the features DART does not have: those are refused by
+name); :func:`sampling_of` turns a request into the engine's :class:`Sampling`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from dart_client.apps.serve.generation import Outcome, Sampling
+from dart_client.apps.serve.scheduler import JobError
+
+#: Request fields OpenAI defines that DART does not implement: refused when set to anything
+#: but their neutral value, never silently ignored.
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=0)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    # DART's own options.
+    tree_budget: StrictInt | None = Field(default=None, ge=0)
+    speculative: StrictBool = True
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> JobError:
+    err = JobError(400, message, "invalid_request_error", code)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def check_request(req: _Common, served: str) -> None:
+    """What pydantic's field checks cannot say: the model name, ``n``, unsupported fields."""
+    if req.model != served:
+        err = JobError(
+            404,
+            f"The model `{req.model}` does not exist; this server serves `{served}`",
+            "invalid_request_error",
+            "model_not_found",
+        )
+        err.param = "model"  # type: ignore[attr-defined]
+        raise err
+    if req.n != 1:
+        raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
+    extra = req.model_extra or {}
+    for name, neutral in UNSUPPORTED.items():
+        if name in extra and extra[name] not in neutral:
+            raise bad_request(f"{name} is not supported by dart serve", name, "unsupported")
+
+
+def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty", "stop")
+    return stops
+
+
+def sampling_of(
+    req: _Common, prompt_tokens: int, max_model_len: int, speculative: bool
+) -> Sampling:
+    """The engine's sampling settings; refuses a prompt or ``max_tokens`` beyond the context."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for a completion",
+            "messages" if isinstance(req, ChatRequest) else "prompt",
+            "context_length_exceeded",
+        )
+    max_tokens = req.max_tokens
+    name = "max_tokens"
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise bad_request(
+            f"{name} is {max_tokens}, but the prompt has {prompt_tokens} tokens and this "
+            f"model's maximum context length is {max_model_len}: at most {room} new tokens fit",
+            name,
+            "context_length_exceeded",
+        )
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=stops_of(req.stop),
+        seed=req.seed,
+        tree_budget=req.tree_budget,
+        speculative=req.speculative and speculative,
+    )
+
+
+def error_body(err: JobError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.type,
+            "param": getattr(err, "param", None),
+            "code": err.code,
+        }
+    }
+
+
+class Reply:
+    """The response (or the stream chunks) of one request."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def usage(self, outcome: Outcome) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens,
+            "total_tokens": self.prompt_tokens + outcome.completion_tokens,
+        }
+
+    @staticmethod
+    def dart(outcome: Outcome) -> dict[str, Any]:
+        """DART's statistics of the request (an extra field, ignored by OpenAI clients)."""
+        return {"mode": outcome.mode, "tau": round(outcome.tau, 4), "steps": outcome.steps}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, outcome: Outcome) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": outcome.text}
+        else:
+            choice["text"] = outcome.text
+        choice["logprobs"] = None
+        return {
+            **self._head(self.object),
+            "choices": [choice],
+            "usage": self.usage(outcome),
+            "dart": self.dart(outcome),
+        }
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, first: bool = False
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [choice]}
+
+    def usage_chunk(self, outcome: Outcome) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": [],
+            "usage": self.usage(outcome),
+            "dart": self.dart(outcome),
+        }

@@ -1,0 +1,517 @@
+"""``dart serve`` against the official ``openai`` client: live servers on loopback with the
+embedded default (SmolLM2-135M-Instruct, its shipped head, the ShareGPT 3-gram) in fp32, so
+DART's greedy output is token for token the target's own, which the tests compute in-process
+with ``ar_generate`` as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="dart serve needs the `serve` extra (fastapi)")
+pytest.importorskip("uvicorn", reason="dart serve needs the `serve` extra (uvicorn)")
+pytest.importorskip("prometheus_client", reason="dart serve needs the `serve` extra")
+openai = pytest.importorskip("openai", reason="the tests drive the server with `openai`")
+httpx = pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 512
+#: A prompt the model continues for a long time (it counts on).
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three primary colors.",
+    "How do I reverse a list in Python?",
+    "What is 12 times 7?",
+    "Name a famous physicist.",
+    "Give me a synonym for happy.",
+]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def client(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("api_key", API_KEY)
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` that carry ``labels``."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            head, _, value = line.rpartition(" ")
+            key = head[len(name) :]
+            if not line.startswith(name) or (key and not key.startswith("{")):
+                continue  # a comment or another metric (name_created, name_bucket)
+            if all(f'{k}="{v}"' in key for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(tmp: Path, *flags: str) -> Server:
+    """Start ``dart serve`` (fp32, the embedded default) on a free loopback port."""
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("DART_API_KEY", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dart_client.apps.cli",
+            "serve",
+            "--dtype=fp32",
+            f"--port={port}",
+            f"--max-model-len={MAX_MODEL_LEN}",
+            "--log-level=warning",
+            *flags,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+    )
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def ready(server: Server) -> Server:
+    """Wait until the server answers /health."""
+    deadline = time.monotonic() + 600  # the first run builds the embedded n-gram
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise AssertionError(
+                f"dart serve exited {server.proc.returncode}:\n{server.log.read_text()}"
+            )
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    server.proc.kill()
+    raise AssertionError(f"dart serve did not come up:\n{server.log.read_text()}")
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGINT)
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """Both servers, started together (they load while the first tests run):
+
+    * ``main``: an API key, a queue for the load test;
+    * ``small``: a queue of one, an 8 s timeout, a 3 s shutdown grace, no API key."""
+    tmp = tmp_path_factory.mktemp("serve")
+    started = {
+        "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256"),
+        "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=3"),
+    }
+    yield started
+    for s in started.values():
+        stop(s)
+
+
+@pytest.fixture(scope="module")
+def server(servers: dict[str, Server]) -> Server:
+    return ready(servers["main"])
+
+
+@pytest.fixture(scope="module")
+def small(servers: dict[str, Server]) -> Server:
+    return ready(servers["small"])
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    """The target alone (fp32), loaded in-process the way `dart generate --ar` loads it."""
+    import torch
+
+    from dart_client.dart_model import build_model
+
+    torch.set_num_threads(1)
+    return build_model(None, None, None, dtype="fp32", ar=True)
+
+
+def greedy(model: Any, max_tokens: int, **inputs: Any) -> Any:
+    from dart_client import ar_generate
+
+    return ar_generate(model, temperature=0.0, max_new_tokens=max_tokens, **inputs)
+
+
+def chat_messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def finish(result: Any) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+# -- the main server ------------------------------------------------------------------------------
+
+
+def test_models_health_and_api_key(server: Server) -> None:
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    (model,) = server.client().models.list().data
+    assert model.id == "dart-smollm2-135m-instruct"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    r = httpx.post(server.url + "/v1/completions", json={"model": model.id, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert "dart_serve_requests_total" in httpx.get(server.url + "/metrics").text
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_chat_equals_the_greedy_output_streamed_and_not(
+    server: Server, reference: Any, speculative: bool
+) -> None:
+    client = server.client()
+    question = QUESTIONS[0]
+    ref = greedy(reference, 40, messages=chat_messages(question))
+    extra = {"speculative": speculative}
+    resp = client.chat.completions.create(
+        model="dart-smollm2-135m-instruct",
+        messages=chat_messages(question),
+        max_tokens=40,
+        temperature=0,
+        extra_body=extra,
+    )
+    choice = resp.choices[0]
+    assert choice.message.content == ref.text
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == finish(ref)
+    assert resp.usage.completion_tokens == len(ref.tokens)
+    assert resp.usage.prompt_tokens == ref.prompt_tokens
+    assert resp.usage.total_tokens == ref.prompt_tokens + len(ref.tokens)
+    assert resp.model_extra["dart"]["mode"] == ("dart" if speculative else "ar")
+
+    chunks = list(
+        client.chat.completions.create(
+            model="dart-smollm2-135m-instruct",
+            messages=chat_messages(question),
+            max_completion_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish(ref)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_stop_strings_and_max_tokens(server: Server, reference: Any) -> None:
+    client = server.client()
+    prompt = "The three most common programming languages are"
+    ref = greedy(reference, 32, prompt=prompt)
+    resp = client.completions.create(
+        model="dart-smollm2-135m-instruct", prompt=prompt, max_tokens=32, temperature=0
+    )
+    assert resp.choices[0].text == ref.text
+    assert resp.usage.completion_tokens == len(ref.tokens)
+    streamed = client.completions.create(
+        model="dart-smollm2-135m-instruct",
+        prompt=prompt,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed) == ref.text
+
+    # A stop string from the middle of the greedy text: the output ends before it.
+    words = ref.text.split()
+    stop_word = words[len(words) // 2]
+    cut = ref.text[: ref.text.find(stop_word)]
+    for stream in (False, True):
+        out = client.completions.create(
+            model="dart-smollm2-135m-instruct",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=0,
+            stop=[stop_word, "\u2603never"],
+            stream=stream,
+        )
+        if stream:
+            parts = list(out)
+            text = "".join(c.choices[0].text for c in parts)
+            reason = [c.choices[0].finish_reason for c in parts][-1]
+        else:
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (cut, "stop"), stream
+
+    short = client.completions.create(
+        model="dart-smollm2-135m-instruct", prompt=prompt, max_tokens=5, temperature=0
+    )
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
+    assert ref.text.startswith(short.choices[0].text)
+
+
+def test_raw_stream_ends_with_done(server: Server) -> None:
+    body = {
+        "model": "dart-smollm2-135m-instruct",
+        "messages": chat_messages(QUESTIONS[3]),
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["object"] == "chat.completion.chunk"
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.url + "/v1/chat/completions"
+    name = "dart-smollm2-135m-instruct"
+    good = {"model": name, "messages": chat_messages("Hi"), "max_tokens": 3, "temperature": 0}
+    long_prompt = " ".join(["word"] * (MAX_MODEL_LEN + 50))
+    cases: list[tuple[Any, int, str | None]] = [
+        ("{not json", 400, None),
+        ({**good, "max_tokens": "many"}, 400, "max_tokens"),
+        ({**good, "messages": "hello"}, 400, "messages"),
+        ({**good, "model": "gpt-4"}, 404, "model"),
+        ({**good, "n": 2}, 400, "n"),
+        ({**good, "temperature": -0.5}, 400, "temperature"),
+        ({**good, "messages": chat_messages(long_prompt)}, 400, "messages"),
+        ({**good, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+        ({**good, "logprobs": True}, 400, "logprobs"),
+        ({**good, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ]
+    for body, status, param in cases:
+        if isinstance(body, str):
+            r = httpx.post(
+                url, content=body, headers={**headers, "content-type": "application/json"}
+            )
+        else:
+            r = httpx.post(url, json=body, headers=headers)
+        assert r.status_code == status, (body if not isinstance(body, dict) else param, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"], r.text
+        if param is not None:
+            assert error["param"] == param, r.text
+    r = httpx.post(url, json={**good, "messages": chat_messages(long_prompt)}, headers=headers)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    # The same through the official client's exception types.
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=chat_messages("x"))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=name, prompt="x", max_tokens=MAX_MODEL_LEN + 1)
+    assert httpx.post(url, json=good, headers=headers).status_code == 200
+    assert server.metric("dart_serve_requests_total", status="400") >= 8
+
+
+def test_load_every_output_is_the_greedy_one_none_lost(server: Server, reference: Any) -> None:
+    """32 concurrent clients, 48 requests over 8 prompts (chat and completions, streamed and
+    not, DART and plain): every answer is its prompt's greedy output, every request answered
+    once, and the server's memory does not grow from one half of the load to the next."""
+    max_tokens = 8
+    refs = {q: greedy(reference, max_tokens, messages=chat_messages(q)).text for q in QUESTIONS}
+    client = server.client(timeout=300)
+    name = "dart-smollm2-135m-instruct"
+
+    def one(i: int) -> tuple[int, str, str]:
+        q = QUESTIONS[i % len(QUESTIONS)]
+        extra = {"speculative": i % 3 != 0}
+        if i % 2:
+            chunks = client.chat.completions.create(
+                model=name,
+                messages=chat_messages(q),
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body=extra,
+            )
+            return i, q, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        resp = client.chat.completions.create(
+            model=name,
+            messages=chat_messages(q),
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body=extra,
+        )
+        return i, q, resp.choices[0].message.content
+
+    rss = []
+    seen: list[int] = []
+    with ThreadPoolExecutor(32) as pool:
+        for half in range(2):
+            for i, q, text in pool.map(one, range(half * 24, half * 24 + 24)):
+                seen.append(i)
+                assert text == refs[q], (i, q)
+            rss.append(server.rss_mib())
+    assert sorted(seen) == list(range(48))
+    assert rss[1] - rss[0] < 64, rss
+    assert server.metric("dart_serve_queue_depth") == 0
+
+
+# -- the small server: queue of one, timeout, cancellation, shutdown -----------------------------
+
+
+def long_stream(server: Server, max_tokens: int = 400) -> Any:
+    return server.client(api_key="unused").completions.create(
+        model="dart-smollm2-135m-instruct",
+        prompt=COUNTING,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"speculative": False},
+    )
+
+
+def wait_for(predicate: Any, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_full_queue_is_429_and_a_disconnect_cancels(small: Server) -> None:
+    running = long_stream(small)
+    first = next(iter(running))  # the long request holds the worker
+    assert first.choices[0].text is not None
+    queued: dict[str, Any] = {}
+
+    def short() -> None:
+        queued["resp"] = small.client(api_key="x").completions.create(
+            model="dart-smollm2-135m-instruct", prompt="Hello", max_tokens=4, temperature=0
+        )
+
+    t = threading.Thread(target=short)
+    t.start()
+    wait_for(lambda: httpx.get(small.url + "/health").json()["queue_depth"] == 1)
+    r = httpx.post(
+        small.url + "/v1/completions",
+        json={"model": "dart-smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2},
+    )
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    # Closing the stream cancels the long request at its next step: the queued one runs.
+    start = time.monotonic()
+    running.close()
+    t.join(30)
+    assert queued["resp"].usage.completion_tokens == 4
+    assert time.monotonic() - start < 8
+    wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 1)
+
+
+def test_a_non_streamed_request_is_dropped_when_its_client_leaves(small: Server) -> None:
+    body = {
+        "model": "dart-smollm2-135m-instruct",
+        "prompt": COUNTING,
+        "max_tokens": 400,
+        "temperature": 0,
+        "speculative": False,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(small.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+    wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 2, 10)
+    assert small.metric("dart_serve_requests_total", status="499") == 1
+
+
+def test_timeout_is_a_504_and_the_worker_moves_on(small: Server) -> None:
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as err:
+        small.client(api_key="x").completions.create(
+            model="dart-smollm2-135m-instruct",
+            prompt=COUNTING,
+            max_tokens=400,
+            temperature=0,
+            extra_body={"speculative": False},
+        )
+    assert err.value.status_code == 504
+    assert 8 <= time.monotonic() - start < 20
+    resp = small.client(api_key="x").completions.create(
+        model="dart-smollm2-135m-instruct", prompt="Hello", max_tokens=2, temperature=0
+    )
+    assert resp.usage.completion_tokens == 2
+    assert small.metric("dart_serve_abandoned_total", reason="timeout") == 1
+
+
+def test_sigterm_finishes_in_flight_and_ends_the_rest_with_503(small: Server) -> None:
+    """SIGTERM with a 3 s grace: the running short request finishes, the queued long one runs
+    until the grace is over and ends with a shutting-down error; a new request gets 503; the
+    process exits 0. No request is left without an answer."""
+    name = "dart-smollm2-135m-instruct"
+    short = small.client(api_key="x").completions.create(
+        model=name, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+    )
+    chunks = iter(short)
+    first = next(chunks)
+    results: dict[str, Any] = {}
+
+    def long() -> None:
+        body = {
+            "model": name,
+            "prompt": COUNTING,
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+            "speculative": False,
+        }
+        with httpx.stream("POST", small.url + "/v1/completions", json=body, timeout=60) as r:
+            results["long"] = [line for line in r.iter_lines() if line]
+
+    t = threading.Thread(target=long)
+    t.start()
+    wait_for(lambda: httpx.get(small.url + "/health").json()["queue_depth"] == 1)
+    small.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(small.url + "/health").status_code == 503, 10)
+    r = httpx.post(small.url + "/v1/completions", json={"model": name, "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    rest = [first, *chunks]
+    assert rest[-1].choices[0].finish_reason in ("stop", "length")
+    t.join(60)
+    lines = results["long"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+    assert len(lines) > 3  # it ran during the grace
+    assert small.proc.wait(30) == 0
