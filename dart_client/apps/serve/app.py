@@ -286,9 +286,12 @@ def serve_main(argv: Sequence[str]) -> int:
     """``dart serve``."""
     import torch
 
+    from dart_client.apps.options import check_model_arguments
     from dart_client.apps.serve.generation import load_engine
 
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    check_model_arguments(args, parser)  # usage errors (paths, --head auto) before any load
     for flag, value, minimum in (("--max-queue", args.max_queue, 1), ("--port", args.port, 0)):
         if value < minimum:
             raise DartError(f"{flag} must be >= {minimum}, got {value}")
