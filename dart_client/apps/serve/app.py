@@ -284,8 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: Sequence[str]) -> int:
     """``dart serve``."""
-    import torch
-
     from dart_client.apps.options import check_model_arguments
     from dart_client.apps.serve.generation import load_engine
 
@@ -298,6 +296,8 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.timeout <= 0 or args.shutdown_grace < 0:
         raise DartError("--timeout must be > 0 and --shutdown-grace >= 0")
     if args.threads:
+        import torch  # after parsing: `dart serve --help` answers without it
+
         torch.set_num_threads(args.threads)
     engine = load_engine(args)
     metrics = Metrics()
