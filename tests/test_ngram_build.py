@@ -179,6 +179,11 @@ def test_import_round_trip(
     trie = d / "full.trie"
     write_reference_trie(trie, dict(counts), total, order, shuffle_seed=seed)
     out = d / "m.ngram"
+    if total == 0:
+        with pytest.raises(NGramError, match="holds no n-gram"):
+            import_dart(trie, out, vocab_size=20, memory="1M")
+        assert not out.exists() and hidden_entries(d) == []
+        return
     report = import_dart(trie, out, vocab_size=20, memory="1M")
     assert report["nodes"] == len(counts) + 1
     ng = NGram.open(out)
@@ -300,3 +305,59 @@ def test_keyboard_interrupt_cancels_and_cleans_up(tmp_path: Path) -> None:
         signal.signal(signal.SIGINT, previous)
     assert not out.exists()
     assert hidden_entries(tmp_path) == []
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 1 MiB tmpfs: a disk that fills up (needs permission to mount)."""
+    import subprocess
+
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_import_on_a_full_disk_fails_clearly_and_leaves_nothing(
+    tmp_path: Path, tiny_filesystem: Path
+) -> None:
+    """The importer's scratch and output on a disk too small for them: an error naming the
+    problem (not SIGBUS from a sparse file mapped and written), and nothing left behind."""
+    import subprocess
+
+    from _daemon_util import dart_ngram_binary
+
+    rng = random.Random(0)
+    docs = [[rng.randrange(2000) for _ in range(200)] for _ in range(400)]
+    counts, total = count_docs(docs, 3)
+    assert len(counts) > 60_000  # scratch records far beyond 1 MiB
+    trie = tmp_path / "big.trie"
+    write_reference_trie(trie, dict(counts), total, 3)
+    done = subprocess.run(
+        [
+            str(dart_ngram_binary()),
+            "import-dart",
+            str(trie),
+            "--output",
+            str(tiny_filesystem / "m.ngram"),
+            "--tmp-dir",
+            str(tiny_filesystem),
+            "--vocab-size",
+            "2000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, (done.returncode, done.stderr)  # < 0: killed by a signal
+    assert "No space left" in done.stderr or "space" in done.stderr.lower(), done.stderr
+    assert list(tiny_filesystem.iterdir()) == []

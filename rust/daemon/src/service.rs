@@ -144,6 +144,12 @@ impl NGramServer {
     /// A slot among `--max-concurrent`, or RESOURCE_EXHAUSTED right away: a caller that waits
     /// on a saturated daemon only adds latency, better it retries with backoff or elsewhere.
     fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
+        // A mapped file written over in place would be read half old, half new (or SIGBUS
+        // once truncated): refuse with DATA_LOSS naming it; SIGHUP reopens it. One fstat.
+        self.served()
+            .model
+            .check_unchanged()
+            .map_err(|e| ngram_status(&e))?;
         Arc::clone(&self.limiter).try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!(
                 "daemon overloaded: {} requests already in flight (--max-concurrent {}); retry \

@@ -91,7 +91,7 @@ fn write_model_with(path: &Path, order: usize, seed: u64) {
 }
 
 struct Fixture {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     model: Arc<NGramModel>,
     addr: std::net::SocketAddr,
     metrics_addr: std::net::SocketAddr,
@@ -121,7 +121,7 @@ async fn start(options: ServeOptions) -> Fixture {
         let _ = rx.await;
     }));
     Fixture {
-        _dir: dir,
+        dir,
         model,
         addr,
         metrics_addr,
@@ -935,4 +935,40 @@ async fn the_drain_finishes_a_request_in_flight_and_refuses_newcomers() {
         .expect("the daemon stops after the drain")
         .unwrap()
         .unwrap();
+}
+
+/// A model file written over in place while served (not replaced by a rename) is refused with
+/// DATA_LOSS naming it, never read half old, half new; a reload of the file serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_rewritten_in_place_is_refused_until_reloaded() {
+    let f = start(ServeOptions::default()).await;
+    let mut c = client(f.addr).await;
+    let ask = || proto::ProbRequest {
+        contexts: Some(rows(&[vec![5, 6]])),
+        candidates: Some(rows(&[(0..VOCAB).collect()])),
+    };
+    let before = c.prob(ask()).await.unwrap().into_inner().probs;
+    let path = f.dir.path().join("test.ngram");
+    {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        file.write_all(b"junk appended in place").unwrap();
+    }
+    let err = c.prob(ask()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
+    assert!(
+        err.message().contains("modified in place"),
+        "{}",
+        err.message()
+    );
+    // The same file, made whole again and reopened (what SIGHUP does), serves as before.
+    write_test_model(&path);
+    f.server
+        .reload(Arc::new(NGramModel::open(&path).unwrap()))
+        .unwrap();
+    assert_eq!(c.prob(ask()).await.unwrap().into_inner().probs, before);
+    stop(f).await;
 }

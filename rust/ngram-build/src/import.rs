@@ -519,6 +519,13 @@ pub fn import_dart(opts: &ImportOptions) -> Result<ImportReport> {
         path: opts.trie.clone(),
         detail,
     };
+    if scan.total == 0 {
+        // An empty model would leave every draft unguided, silently.
+        return Err(NGramError::InvalidArgument(format!(
+            "{} holds no n-gram (its root counts 0 tokens): nothing to import",
+            opts.trie.display()
+        )));
+    }
     bar.set_length(scan.nodes);
     bar.set_position(0);
     bar.set_message("sorting n-grams");

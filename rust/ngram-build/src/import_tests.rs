@@ -75,6 +75,13 @@ proptest! {
         let mut o = opts(&trie, &out);
         o.memory = memory;
         o.vocab_size = Some(30);
+        if total == 0 {
+            let e = import_dart(&o).unwrap_err().to_string();
+            prop_assert!(e.contains("holds no n-gram") && e.contains("full.trie"), "{}", e);
+            let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+            prop_assert_eq!(left, vec![std::ffi::OsString::from("full.trie")]);
+            return Ok(());
+        }
         let r = import_dart(&o).unwrap();
         prop_assert_eq!(r.nodes, counts.len() as u64 + 1);
         check_import(&trie, &out, 30);
