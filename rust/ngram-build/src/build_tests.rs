@@ -120,6 +120,13 @@ proptest! {
         o.threads = Some(threads);
         o.memory = memory;
         o.min_count = min_count;
+        if docs.is_empty() {
+            // No document: refused unless asked for, and then written.
+            let e = build(&o).unwrap_err().to_string();
+            prop_assert!(e.contains("no document") && e.contains("--allow-empty"), "{}", e);
+            prop_assert!(!out.exists());
+            o.allow_empty = true;
+        }
         let report = build(&o).unwrap();
         let docs = with_eos(&docs, eos);
         prop_assert_eq!(report.documents, docs.len() as u64);
