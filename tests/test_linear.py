@@ -178,3 +178,36 @@ def test_gradients_reach_the_input_of_a_packed_frozen_model() -> None:
         embeds = model.get_input_embeddings()(torch.tensor([[4, 5, 6]])).requires_grad_(True)
         model(inputs_embeds=embeds).logits.float().sum().backward()
         assert embeds.grad is not None and bool(embeds.grad.abs().sum() > 0)
+
+
+@pytest.mark.skipif(not SIMD_KERNELS, reason="DART's bf16 decoding matmul needs AVX-512")
+def test_a_prefill_takes_pytorchs_matmul_and_a_tree_takes_the_decoding_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decoding kernel is slower than PyTorch's on a prompt's long block: blocks of more
+    than DECODING_ROWS rows go to F.linear, trees and single tokens to the kernel, and both
+    compute what the plain model does."""
+    from dart_client.models import linear
+    from dart_client.models.native import DECODING_ROWS
+
+    rows_seen: list[int] = []
+    kernel = linear.DartMatmul.__call__
+
+    def spy(self: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows_seen.append(x.numel() // x.shape[-1])
+        return kernel(self, x, bias)
+
+    monkeypatch.setattr(linear.DartMatmul, "__call__", spy)
+    model = make_tiny_target("llama", dtype=torch.bfloat16, seed=2)
+    g = torch.Generator().manual_seed(1)
+    for n in (1, DECODING_ROWS, DECODING_ROWS + 1, 3 * DECODING_ROWS):
+        ids = torch.randint(3, 300, (1, n), generator=g)
+        unpack_linear_layers(model)
+        want = logits(model, ids)
+        pack_linear_layers(model)
+        rows_seen.clear()
+        got = logits(model, ids)
+        # The block's projections run on the kernel exactly when it is decoding-sized.
+        assert (n in rows_seen) == (n <= DECODING_ROWS), (n, rows_seen)
+        assert max(rows_seen, default=0) <= DECODING_ROWS, (n, rows_seen)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.1)

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from dart_client import _native
-from dart_client.models.native import SIMD_KERNELS, bf16_bits
+from dart_client.models.native import DECODING_ROWS, SIMD_KERNELS, bf16_bits
 
 NAME = "dart_small_query"
 #: Longer query blocks (prompts) go to SDPA, which wins there; so does a single query outside
 #: DART's kernel.
-MAX_QUERIES = 64
+MAX_QUERIES = DECODING_ROWS
 
 
 def small_query_attention(

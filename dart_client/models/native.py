@@ -11,6 +11,12 @@ from dart_client import _native
 #: Asked once; the per-layer paths read this flag.
 SIMD_KERNELS: bool = _native.decoding_matmul_simd()
 
+#: The most rows (a draft tree's nodes, a few draft positions) DART's decoding kernels take.
+#: Longer blocks (a prompt's prefill) go to PyTorch's kernels, which are faster there; a
+#: greedy DART step and an autoregressive one both stay within it, so they compute each row
+#: the same way.
+DECODING_ROWS = 64
+
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 CPU tensor as a numpy uint16 view of its bits (numpy has no bf16), without a
