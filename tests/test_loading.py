@@ -48,3 +48,18 @@ def test_gguf_is_unpacked_once_then_read_from_the_cache(
     text = "<|im_start|>user\nHello there<|im_end|>\n"
     assert tokenizer(text)["input_ids"] == direct_tok(text)["input_ids"]
     assert tokenizer.chat_template == direct_tok.chat_template
+
+
+def test_recorded_paths_name_no_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sysconfig
+
+    from dart_client.embedded import display_path
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert display_path(tmp_path / "cache" / "m.ngram") == "<cache>/m.ngram"
+    assert display_path(site / "pkg" / "f.json") == "<site-packages>/pkg/f.json"
+    assert display_path(tmp_path / "data" / "x.jsonl") == "data/x.jsonl"
+    assert display_path("relative/y") == "relative/y"
+    assert display_path("/elsewhere/z") == "/elsewhere/z"

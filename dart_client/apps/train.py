@@ -15,6 +15,7 @@ from typing import Any
 from dart_client.apps.options import add_prompt_lookup_argument
 from dart_client.data.conversations import Conversation, is_held_out
 from dart_client.data.prompt_response import read_conversations
+from dart_client.embedded import display_path
 from dart_client.errors import DartError
 from dart_client.loading import load_target, torch_dtype
 
@@ -168,14 +169,14 @@ def _train(args: argparse.Namespace) -> int:
         run = {
             "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
             "world_size": world,
-            "target": target_desc,
+            "target": display_path(target_desc),
             "target_dtype": args.target_dtype,
-            "data": data_paths,
+            "data": [display_path(p) for p in data_paths],
             "data_meta": train_set.meta,
             "windows": len(train_set),
             "tokens_per_epoch": train_set.num_tokens,
-            "resumed_from": str(resumed) if resumed else None,
-            "config": config.to_dict(),
+            "resumed_from": display_path(resumed) if resumed else None,
+            "config": {**config.to_dict(), "output_dir": display_path(config.output_dir)},
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         with (out / "runs.jsonl").open("a") as f:
@@ -283,10 +284,10 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "tau": dataclasses.asdict(tau) if tau is not None else None,
-            "head": str(args.head),
-            "target": target_desc,
+            "head": display_path(args.head),
+            "target": display_path(target_desc),
             "split": args.split,
-            "data": data_paths,
+            "data": [display_path(p) for p in data_paths],
             "alpha": result.alpha,
             "chain": result.chain,
             "positions": result.positions,

@@ -22,6 +22,7 @@ from typing import Any
 
 from dart_client.apps.bench import METHODS
 from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
+from dart_client.embedded import display_path
 from dart_client.errors import DartError
 
 
@@ -190,13 +191,14 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         for close in reversed(closers):
             close()
     summary = harness.summarize(results, settings)
+    ngram_path = getattr(getattr(model.pruner, "ngram", None), "path", None)
     env = harness.environment(
         model,
         {
             "tree_budget": (
                 f"auto -> {tuning.best_budget}" if budget == "auto" and tuning else budget
             ),
-            "ngram": str(getattr(getattr(model.pruner, "ngram", None), "path", None)),
+            "ngram": display_path(str(ngram_path)) if ngram_path else None,
         },
     )
     record = report.build_record(

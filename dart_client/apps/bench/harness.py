@@ -54,7 +54,7 @@ from dart_client.apps.bench import METHODS
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES
-from dart_client.embedded import SHIPPED_HEAD_DIR
+from dart_client.embedded import SHIPPED_HEAD_DIR, display_path
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
 from dart_client.ngram.daemon import LocalDaemon
 
@@ -679,7 +679,7 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
         for m in per.values():
             m["speedup"] = m["tokens_per_s"] / ar if ar else None
         out[wr.workload.name] = {
-            "source": wr.workload.source,
+            "source": display_path(wr.workload.source),
             "notes": wr.workload.notes,
             "prompts": len(wr.prompts),
             "methods": per,
