@@ -161,6 +161,6 @@ def test_eval_head_names_what_does_not_fit(
     write_prompts(data, 2)
     argv = ["--target", str(tiny_target_dir), "--target-dtype", "fp64", "--head", str(head_dir),
             "--data", str(data), "--split", "all", "--tau-prompts", "0"]  # fmt: skip
-    assert eval_main(argv) == 2
+    assert eval_main(argv) == 1  # a user error: one line, exit 1 (as every dart command)
     err = capsys.readouterr().err
     assert "does not fit the target" in err and "hidden_size: head 32, target 64" in err

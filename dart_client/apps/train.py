@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dart_client.apps.cli import run_command
 from dart_client.apps.options import add_prompt_lookup_argument
 from dart_client.data.conversations import Conversation, is_held_out
 from dart_client.data.prompt_response import read_conversations
@@ -73,12 +74,25 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    args = train_parser().parse_args(argv)
-    try:
-        return _train(args)
-    except DartError as err:
-        print(f"dart-train: error: {err}", file=sys.stderr)
-        return 2
+    return run_command("dart-train", lambda a: _train(_parse(train_parser(), a)), _args(argv))
+
+
+def _args(argv: Sequence[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, a device that does not exist being a usage error (exit 2) before
+    anything loads."""
+    args = parser.parse_args(argv)
+    if getattr(args, "device", None) is not None:
+        from dart_client.devices import check_device  # after --help: it imports torch
+
+        try:
+            check_device(args.device)
+        except DartError as err:
+            parser.error(str(err))
+    return args
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -232,12 +246,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    args = eval_parser().parse_args(argv)
-    try:
-        return _eval(args)
-    except DartError as err:
-        print(f"dart-eval-head: error: {err}", file=sys.stderr)
-        return 2
+    return run_command("dart-eval-head", lambda a: _eval(_parse(eval_parser(), a)), _args(argv))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -341,6 +350,10 @@ def _tau(
 
 
 def regenerate_main(argv: Sequence[str] | None = None) -> int:
+    return run_command("dart-regenerate", _regenerate, _args(argv))
+
+
+def _regenerate(argv: list[str]) -> int:
     import torch
 
     from dart_client.devices import check_device
@@ -364,39 +377,35 @@ def regenerate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="stop after this many conversations in total")
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
-    args = p.parse_args(argv)
-    try:
-        device = check_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        model, tokenizer = load_target(args.target, dtype=torch_dtype(args.target_dtype))
-        model.to(device)
-        # Batched decoding multiplies a few dozen rows per step: faster with packed weights
-        # (a no-op off the CPU).
-        pack_linear_layers(model)
+    args = _parse(p, argv)
+    device = check_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_target(args.target, dtype=torch_dtype(args.target_dtype))
+    model.to(device)
+    # Batched decoding multiplies a few dozen rows per step: faster with packed weights
+    # (a no-op off the CPU).
+    pack_linear_layers(model)
 
-        def selected() -> Iterator[Conversation]:
-            for path in args.data or _default_data():
-                for conv in read_conversations(path):
-                    held = is_held_out(conv.id)
-                    if args.split == "all" or held == (args.split == "held_out"):
-                        yield conv
+    def selected() -> Iterator[Conversation]:
+        for path in args.data or _default_data():
+            for conv in read_conversations(path):
+                held = is_held_out(conv.id)
+                if args.split == "all" or held == (args.split == "held_out"):
+                    yield conv
 
-        n = regenerate(
-            model,
-            tokenizer,
-            selected(),
-            args.output,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            limit=args.limit,
-        )
-    except DartError as err:
-        print(f"dart-regenerate: error: {err}", file=sys.stderr)
-        return 2
+    n = regenerate(
+        model,
+        tokenizer,
+        selected(),
+        args.output,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        limit=args.limit,
+    )
     print(f"dart-regenerate: {n} conversations written to {args.output}", file=sys.stderr)
     return 0
 
