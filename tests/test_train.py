@@ -568,10 +568,9 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
         script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), accum=accum))
         cmd = [
             str(torchrun),
+            "--standalone",  # a free port of its own: parallel runs cannot collide
             "--nproc-per-node",
             str(world),
-            "--master-port",
-            str(29500 + world + os.getpid() % 400),
             str(script),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

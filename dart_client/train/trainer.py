@@ -10,6 +10,7 @@ CPU, NCCL on GPUs): the same code runs with one process or many.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import math
@@ -177,12 +178,20 @@ def dist_info() -> tuple[int, int]:
     return 0, 1
 
 
+def _leave_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(device: str) -> tuple[int, int]:
     """Join the process group ``torchrun`` describes (no-op for a single process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend=backend)
+        # A group left for the interpreter's teardown can abort the process ("terminate
+        # called without an active exception" from gloo's threads); leave it in order.
+        atexit.register(_leave_process_group)
     return dist_info()
 
 
