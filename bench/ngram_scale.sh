@@ -69,7 +69,8 @@ for stage in $STAGES; do
         ;;
     daemon)
         timed daemon python -m dart_client.apps.bench.daemon_bench --model "$WORK/merged.ngram" \
-            --rss-after 10000 --threads 1 | tee "$WORK/log/daemon.out"
+            --rss-after 10000 --skip-checksums --threads 1 --clients 1 --repeat 1 \
+            --requests 1000 | tee "$WORK/log/daemon.out"
         record daemon
         ;;
     clean)

@@ -15,7 +15,7 @@ requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
   process (as GPU workers are), remote and in process.
 
 ``--rss-after N`` then sends N more prunes (distinct drafts) through the daemon and reports its
-resident memory (``VmRSS``, of which ``RssFile`` are the model's mapped pages: what the prunes
+resident memory (``VmRSS``, and the resident pages of its mapping of the model: what the prunes
 touched, not the file's size; open the daemon with ``--skip-checksums`` for that, since checking
 every checksum at open reads the whole file through the mapping).
 
@@ -223,15 +223,31 @@ def rss_kb(pid: int) -> dict[str, int]:
     return out
 
 
-def rss_after_prunes(remote: Any, drafts: list[Draft], n: int, pid: int) -> dict[str, float]:
+def mapping_rss_kb(pid: int, path: str) -> int:
+    """Resident kB of a process's mappings of the file ``path`` (``/proc/PID/smaps``)."""
+    target = os.path.realpath(path)
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == target
+            elif inside and fields[:1] == ["Rss:"]:
+                total += int(fields[1])
+    return total
+
+
+def rss_after_prunes(
+    remote: Any, drafts: list[Draft], n: int, pid: int, model: str
+) -> dict[str, float]:
     """The daemon's resident memory before and after ``n`` prunes through it (drafts cycled)."""
-    before = rss_kb(pid)
+    before = {**rss_kb(pid), "model": mapping_rss_kb(pid, model)}
     t0 = time.perf_counter()
     for i in range(n):
         d = drafts[i % len(drafts)]
         remote.prune(d.context, d.topk_ids, d.topk_probs)
     seconds = time.perf_counter() - t0
-    after = rss_kb(pid)
+    after = {**rss_kb(pid), "model": mapping_rss_kb(pid, model)}
     return {
         **{f"{k}_before_kb": v for k, v in before.items()},
         **{f"{k}_after_kb": v for k, v in after.items()},
@@ -336,14 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.rss_after:
             more = make_drafts(args.model, args.rss_after, args.levels, args.k, args.seed + 1)
-            r = rss_after_prunes(pruners["remote"], more, args.rss_after, daemon.proc.pid)
+            r = rss_after_prunes(
+                pruners["remote"], more, args.rss_after, daemon.proc.pid, args.model
+            )
             print(
                 f"\nDaemon resident memory after {r['prunes']:,} more prunes "
-                f"({r['prunes_per_s']:,.0f}/s, one client): VmRSS {r['VmRSS_after_kb']:,} kB "
-                f"(model pages RssFile {r['RssFile_after_kb']:,} kB, anonymous "
-                f"{r['RssAnon_after_kb']:,} kB); before them VmRSS {r['VmRSS_before_kb']:,} kB "
-                f"(RssFile {r['RssFile_before_kb']:,} kB); model file "
-                f"{os.path.getsize(args.model):,} bytes."
+                f"({r['prunes_per_s']:,.0f}/s, one client): VmRSS {r['VmRSS_after_kb']:,} kB, "
+                f"of which the model's mapped pages {r['model_after_kb']:,} kB and anonymous "
+                f"memory {r['RssAnon_after_kb']:,} kB; before them VmRSS "
+                f"{r['VmRSS_before_kb']:,} kB (model pages {r['model_before_kb']:,} kB); model "
+                f"file {os.path.getsize(args.model):,} bytes."
             )
     return 0
 
