@@ -104,13 +104,13 @@ pub struct BenchReport {
     pub prune60_warm: Option<Timing>,
     pub prune60_repeat: Option<Timing>,
     pub prune60_cold: Option<Timing>,
-    /// Resident memory of this process at the end (`VmRSS`, `RssFile`, kB).
+    /// Resident memory of this process after the warm figures (`VmRSS`, `RssFile`, kB).
     pub rss_kb: Option<u64>,
     pub rss_file_kb: Option<u64>,
 }
 
-/// A field of `/proc/self/status` in kB.
-pub(crate) fn proc_status_kb(pid: &str, field: &str) -> Option<u64> {
+/// A field of `/proc/PID/status` in kB.
+fn proc_status_kb(pid: &str, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
@@ -283,14 +283,14 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     report.prob25_warm = Timing::of(time_lookups(&model, &ls, false)?);
     report.prob25_repeat = Timing::of(time_lookups(&model, &ls, false)?);
     report.prune60_repeat = Timing::of(time_prunes(&model, &pruner, half, false)?);
+    report.rss_kb = proc_status_kb("self", "VmRSS");
+    report.rss_file_kb = proc_status_kb("self", "RssFile");
     if args.cold {
         let n = args.cold_queries.min(ls.len());
         report.prob25_cold = Timing::of(time_lookups(&model, &ls[..n], true)?);
         let n = args.cold_queries.min(rest.len());
         report.prune60_cold = Timing::of(time_prunes(&model, &pruner, &rest[..n], true)?);
     }
-    report.rss_kb = proc_status_kb("self", "VmRSS");
-    report.rss_file_kb = proc_status_kb("self", "RssFile");
     if args.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }
