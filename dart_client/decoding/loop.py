@@ -6,6 +6,8 @@ One DART step, as one token's trip reads top to bottom:
               (:mod:`dart_client.decoding.draft`), top-k per row;
 2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
               sampled), its size shrunk near ``max_length`` / ``max_new_tokens``;
+   (steps 1 and 2 are a :class:`Drafter`'s: DART's, or EAGLE-3's, whose tree grows by
+   draft-model forwards, :mod:`dart_client.decoding.eagle3`)
 3. verify  -- one target forward over every node (:mod:`dart_client.decoding.verify`);
 4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the
               accepted nodes' K/V are compacted in place and their taps feed the next draft.
@@ -104,7 +106,8 @@ class GenerationResult:
     step's time in exactly one of
 
     * ``draft``   -- the head forward over the last step's accepted positions, top-k, the
-      transfer of the rows to the CPU (DART only);
+      transfer of the rows to the CPU (DART); for EAGLE-3 also the tree's growth, which is
+      draft-model forwards (its ``prune`` is then zero);
     * ``prune``   -- the tree builder (the Rust pruner, in-process or remote) and its inputs;
     * ``inputs``  -- everything around the target's forward call: node ids, positions, the
       attention mask, the gathered taps;
@@ -171,6 +174,67 @@ class GenerationStream:
                 yield event
 
 
+class Drafter(Protocol):
+    """What drafts a step's tree from the target's taps at the accepted positions: DART's
+    head + pruner (:class:`DartDrafter`) or EAGLE-3's head (``Eagle3Drafter``). One per
+    generation; the loop owns its cache (kept across turns by a :class:`PrefixCache`)."""
+
+    #: The stage :meth:`tree` is timed under: ``"prune"`` (DART: the pruner) or
+    #: ``"draft"`` (EAGLE-3: the tree grows by draft-model forwards).
+    tree_stage: str
+
+    def cache_capacity(self, max_length: int) -> int: ...
+
+    def new_cache(self, capacity: int) -> Any: ...
+
+    def feed(self, cache: Any, taps: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """Read r new real positions: the target's ``taps`` (1, r, 3H) and the token after
+        each, ``next_ids`` (1, r) (the last is the token just sampled)."""
+        ...
+
+    def tree(self, context: np.ndarray, budget: int, lookup_path: np.ndarray | None = None) -> Tree:
+        """The draft tree under root ``context[-1]``, at most ``budget`` nodes besides it."""
+        ...
+
+
+class DartDrafter:
+    """DART's :class:`Drafter`: the head's rows (:func:`draft_rows`) pruned into a tree."""
+
+    tree_stage = "prune"
+
+    def __init__(self, head: DartHead, builder: TreeBuilder, top_k: int) -> None:
+        self.head = head
+        self.builder = builder
+        self.top_k = top_k
+        self.rows: DraftRows | None = None
+
+    def cache_capacity(self, max_length: int) -> int:
+        return max_length + self.head.config.draft_length
+
+    def new_cache(self, capacity: int) -> Any:
+        return self.head.new_cache(capacity)
+
+    def feed(self, cache: Any, taps: torch.Tensor, next_ids: torch.Tensor) -> None:
+        self.rows = draft_rows(self.head, cache, taps, next_ids, self.top_k)
+
+    def tree(self, context: np.ndarray, budget: int, lookup_path: np.ndarray | None = None) -> Tree:
+        if self.rows is None:
+            raise RuntimeError("feed() the accepted positions before building a tree")
+        return build_tree(self.builder, context, self.rows, budget, lookup_path)
+
+
+def new_drafter(model: DecodingModel) -> Drafter | None:
+    """The model's drafter for one generation (its ``new_drafter()`` when it has one), else
+    DART's from its head and tree builder; None when it has neither."""
+    factory = getattr(model, "new_drafter", None)
+    if factory is not None:
+        drafter: Drafter | None = factory()
+        return drafter
+    if model.head is None or model.tree_builder is None:
+        return None
+    return DartDrafter(model.head, model.tree_builder, model.draft_top_k)
+
+
 class DecodingModel(Protocol):
     """What the loop reads of a model (``DartModel`` has it all)."""
 
@@ -209,7 +273,8 @@ def generate(
     """
     if mode not in ("dart", "ar"):
         raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
-    if mode == "dart" and (model.head is None or model.tree_builder is None):
+    drafter = new_drafter(model) if mode == "dart" else None
+    if mode == "dart" and drafter is None:
         raise InvalidArgumentError(
             "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
         )
@@ -240,6 +305,7 @@ def generate(
         )
     run = _Run(
         model,
+        drafter,
         mode,
         ids,
         config.sampling,
@@ -267,6 +333,7 @@ class _Run:
     def __init__(
         self,
         model: DecodingModel,
+        drafter: Drafter | None,
         mode: str,
         ids: list[int],
         params: SamplingParams,
@@ -279,6 +346,7 @@ class _Run:
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter
         self.prefix_cache = prefix_cache
         self.target = model.target
         self.mode = mode
@@ -319,10 +387,10 @@ class _Run:
     def events(self) -> Iterator[StreamEvent | GenerationResult]:
         start = self._clock()
         target = self.target
-        head = self.model.head if self.mode == "dart" else None
+        drafter = self.drafter
         prompt_len = len(self.prompt)
         kept = self.prefix_cache
-        head_capacity = None if head is None else self.max_length + head.config.draft_length
+        head_capacity = None if drafter is None else drafter.cache_capacity(self.max_length)
         begin = kept._start(self.prompt, self.max_length, head_capacity) if kept else 0
         if kept is not None:
             # Until this generation ends the caches change under the recorded tokens: an
@@ -337,7 +405,7 @@ class _Run:
         ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
         positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
         logits, taps = target.forward(
-            ids, positions, cache, logits_to_keep=1, taps=head is not None
+            ids, positions, cache, logits_to_keep=1, taps=drafter is not None
         )
         first = self._pick(logits[0, -1])
         t = self._clock()
@@ -348,11 +416,10 @@ class _Run:
             self.timings[stage] += seconds
         yield event
 
-        rows: DraftRows | None = None
         head_cache = None
         # What the next draft reads: the last forward's taps and the accepted nodes' tokens.
         pending: tuple[torch.Tensor, list[int], list[int]] | None = None
-        if head is not None and self.finish is None:
+        if drafter is not None and self.finish is None:
             assert taps is not None
             t = self._clock()
             if begin > 0:
@@ -360,11 +427,11 @@ class _Run:
                 head_cache = kept.head_cache
                 head_cache.truncate(begin)
             else:
-                head_cache = head.new_cache(head_capacity)
+                head_cache = drafter.new_cache(head_capacity)
             next_ids = torch.tensor(
                 [[*self.prompt[begin + 1 :], first]], dtype=torch.long, device=self.device
             )
-            rows = draft_rows(head, head_cache, taps, next_ids, self.model.draft_top_k)
+            drafter.feed(head_cache, taps, next_ids)
             # The head's pass over the whole prompt is prefill work, not a per-step draft.
             self.timings["prefill"] += self._clock() - t
 
@@ -372,17 +439,11 @@ class _Run:
             step: dict[str, float] = {}
             t = self._clock()
             if pending is not None:
-                assert head is not None and head_cache is not None
+                assert drafter is not None and head_cache is not None
                 step_taps, nodes, new = pending
                 index = torch.tensor(nodes, dtype=torch.long, device=self.device)
                 next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-                rows = draft_rows(
-                    head,
-                    head_cache,
-                    step_taps.index_select(1, index),
-                    next_ids,
-                    self.model.draft_top_k,
-                )
+                drafter.feed(head_cache, step_taps.index_select(1, index), next_ids)
                 pending = None
                 t = self._lap(t, "draft", step)
             room = min(
@@ -394,8 +455,8 @@ class _Run:
             budget = room - 1  # leaves room for the bonus token
             if self.tree_budget is not None:
                 budget = min(budget, self.tree_budget)
-            if head is not None and rows is not None and budget > 0:
-                assert self.model.tree_builder is not None
+            tree_stage = "prune"
+            if drafter is not None and budget > 0:
                 context = np.asarray(
                     self.generated[-PRUNER_CONTEXT:]
                     if len(self.generated) >= PRUNER_CONTEXT
@@ -408,13 +469,14 @@ class _Run:
                     assert self.lookup is not None
                     index.extend(self.generated[len(index) - prompt_len :])
                     path = self.lookup.path(index, budget)
-                tree = build_tree(self.model.tree_builder, context, rows, budget, path)
+                tree = drafter.tree(context, budget, path)
+                tree_stage = drafter.tree_stage
             else:
                 tree = Tree.root_only(root)
-            t = self._lap(t, "prune", step)
+            t = self._lap_add(t, tree_stage, step)
             logits, taps = (
                 verify_tree(target, cache, tree)
-                if head is not None
+                if drafter is not None
                 else self._ar_forward(cache, root)
             )
             forward = target.last_forward_seconds
@@ -435,7 +497,7 @@ class _Run:
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
-            if self.finish is None and head is not None:
+            if self.finish is None and drafter is not None:
                 assert taps is not None
                 pending = (taps, acc.nodes, new)
             yield event
@@ -462,6 +524,12 @@ class _Run:
         stage's start)."""
         now = self._clock()
         step[stage] = now - since
+        return now
+
+    def _lap_add(self, since: float, stage: str, step: dict[str, float]) -> float:
+        """:meth:`_lap`, adding to what ``step[stage]`` already holds."""
+        now = self._clock()
+        step[stage] = step.get(stage, 0.0) + now - since
         return now
 
     def _ar_forward(self, cache: Any, token: int) -> tuple[torch.Tensor, None]:
