@@ -455,7 +455,7 @@ class _Run:
             budget = room - 1  # leaves room for the bonus token
             if self.tree_budget is not None:
                 budget = min(budget, self.tree_budget)
-            tree_stage = "prune"
+            tree_stage = "prune" if drafter is None else drafter.tree_stage
             if drafter is not None and budget > 0:
                 context = np.asarray(
                     self.generated[-PRUNER_CONTEXT:]
@@ -470,7 +470,6 @@ class _Run:
                     index.extend(self.generated[len(index) - prompt_len :])
                     path = self.lookup.path(index, budget)
                 tree = drafter.tree(context, budget, path)
-                tree_stage = drafter.tree_stage
             else:
                 tree = Tree.root_only(root)
             t = self._lap_add(t, tree_stage, step)
