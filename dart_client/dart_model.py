@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_client.decoding.batch import BatchGenerator, generate_batch
 from dart_client.decoding.config import (
     GenerationConfig,
     config_from,
@@ -274,11 +275,7 @@ class DartModel:
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
             prompt, input_ids = None, prompt
-        config = config_from(config, overrides)
-        if mode == "dart" and self.head is not None and self.tree_builder is not None:
-            config = config.replace(tree_budget=self.resolved_tree_budget(config.tree_budget))
-        else:
-            config = config.replace(tree_budget=None)  # no tree: nothing to resolve
+        config = self._resolved(config_from(config, overrides), mode)
         return generate(
             self,
             config,
@@ -289,6 +286,38 @@ class DartModel:
             stream=stream,
             prefix_cache=prefix_cache,
         )
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Any],
+        config: GenerationConfig | Mapping[str, Any] | None = None,
+        *,
+        mode: str = "dart",
+        **overrides: Any,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) at once, fused: per step one head
+        forward, one pruner call and one target forward for the whole batch
+        (:mod:`dart_client.decoding.batch`). Each result equals what :meth:`generate` gives
+        that prompt alone (greedy: the same tokens; sampling: the same distribution). For
+        requests that come and go, use :meth:`batch_generator`."""
+        config = self._resolved(config_from(config, overrides), mode)
+        return generate_batch(self, prompts, config, mode=mode)
+
+    def batch_generator(
+        self, *, mode: str = "dart", max_batch: int = 8, max_length: int = 2048
+    ) -> BatchGenerator:
+        """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
+        this model; configs given to its ``add`` take :meth:`resolve_config` first."""
+        return BatchGenerator(self, mode=mode, max_batch=max_batch, max_length=max_length)
+
+    def resolve_config(self, config: GenerationConfig, mode: str = "dart") -> GenerationConfig:
+        """``config`` with its tree budget resolved for ``mode`` (as :meth:`generate` does)."""
+        return self._resolved(config, mode)
+
+    def _resolved(self, config: GenerationConfig, mode: str) -> GenerationConfig:
+        if mode == "dart" and self.head is not None and self.tree_builder is not None:
+            return config.replace(tree_budget=self.resolved_tree_budget(config.tree_budget))
+        return config.replace(tree_budget=None)  # no tree: nothing to resolve
 
     def ar_generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
         """``generate(..., mode="ar")``: plain autoregressive decoding."""
