@@ -11,9 +11,8 @@ slows them alike):
 
 A method's figure is its tokens over its seconds, summed over the groups (each group's
 median repetition). Greedy outputs of the batched runs are compared with the lone ones.
-``--batch-tree-budget auto`` picks the batch's node budget per row on calibration prompts
-that are not measured (the budget the fused steps run fastest with; the verify grows with
-every row's tree).
+``--batch-tree-budget auto`` is ``DartModel.tune(batch=N)``: the per-row node budget whose
+fused steps are estimated fastest (the verify grows with every row's tree).
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from dart_client.apps.bench.cli import load
 from dart_client.errors import DartError
 
 METHODS = ("dart-x1", "ar-x1", "ar-xN", "dart-xN")
-#: Budgets ``--batch-tree-budget auto`` tries.
-BATCH_BUDGETS = (2, 4, 8, 12, 16)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,18 +81,6 @@ def run_method(
     return _timed(lambda: model.generate_batch(prompts, batched))
 
 
-def tune_batch_budget(
-    model: Any, prompts: Sequence[list[int]], config: Any, budgets: Sequence[int]
-) -> tuple[int, dict[int, float]]:
-    """The per-row budget with which ``prompts`` (one batch) decode fastest: (best,
-    tokens/s per budget)."""
-    rates = {}
-    for budget in budgets:
-        results, seconds = run_method(model, "dart-xN", prompts, config, budget)
-        rates[budget] = sum(len(r.tokens) for r in results) / seconds
-    return max(rates, key=lambda b: rates[b]), rates
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -122,23 +107,14 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
     budget = parse_tree_budget(args.tree_budget)
     batch_budget = parse_tree_budget(args.batch_tree_budget)
     per_workload = args.batch * args.groups
-    calibrate = batch_budget == "auto"
-    workloads = harness.load_workloads(
-        args.workloads,
-        model,
-        per_workload + (args.batch if calibrate else 0),
-        args.max_prompt_tokens,
-    )
+    workloads = harness.load_workloads(args.workloads, model, per_workload, args.max_prompt_tokens)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, tree_budget=budget)
     config = model.resolve_config(config)
     tuning = None
-    if calibrate:
-        spare = [p.ids for w in workloads for p in w.prompts[per_workload:]][: args.batch]
-        if len(spare) < args.batch:
-            raise harness.BenchError("too few prompts left over to tune the batch's budget")
-        batch_budget, rates = tune_batch_budget(model, spare, config, BATCH_BUDGETS)
-        tuning = {str(b): round(r, 2) for b, r in rates.items()}
-        print(f"batch tree budget: {batch_budget} ({tuning} tok/s)", file=sys.stderr)
+    if batch_budget == "auto":
+        batch_budget = model.tune(batch=args.batch)
+        tuning = model.batch_tree_tunings[args.batch]
+        print(tuning.table(), file=sys.stderr)
     # Warm-up: every method once on a short run.
     warm = config.replace(max_new_tokens=min(8, args.max_new_tokens))
     first = [workloads[0].prompts[0].ids] * min(args.batch, 2)
@@ -187,7 +163,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         },
         "tree_budget": config.tree_budget,
         "batch_tree_budget": batch_budget,
-        "batch_budget_tuning": tuning,
+        "batch_budget_tuning": None if tuning is None else tuning.to_dict(),
         "threads": torch.get_num_threads(),
         "notes": notes,
     }
