@@ -144,9 +144,32 @@ def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
         results.update(batch.pop_finished())
     assert max(live_counts) == 2 and live_counts[-1] == 0
     assert len(results) == len(prompts)
+    assert not batch.cancel(0)  # finished: nothing to cancel
     for request, result in results.items():
         i = ids[request]
         assert result.tokens == truths[i][len(prompts[i]) :], f"request {i}"
+
+
+def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(target: Any, head: DartHead) -> None:
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(4, seed=31)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=20) for p in prompts]
+    dm.tree_builder = Truths(truths, seed=2)
+    batch = dm.batch_generator(max_batch=3, max_length=64)
+    config = GenerationConfig(max_new_tokens=20, tree_budget=6)
+    ids = [batch.add(config, input_ids=p) for p in prompts]
+    batch.step()
+    assert batch.live == 3 and len(batch.waiting) == 1
+    assert batch.cancel(ids[0]) and batch.live == 2  # a live row (the first: others move)
+    assert batch.cancel(ids[3]) and not batch.waiting  # a waiting one
+    assert not batch.cancel(ids[3])
+    results: dict[int, Any] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    assert set(results) == {ids[1], ids[2]}
+    for i in (1, 2):
+        assert results[ids[i]].tokens == truths[i][len(prompts[i]) :]
 
 
 def test_all_rows_ending_together_and_a_bad_prompt(target: Any, head: DartHead) -> None:

@@ -18,8 +18,8 @@ every live row at once:
 ``mode="ar"`` runs the same step with root-only trees: one (rows, 1) forward per step.
 Rows join between steps (:meth:`add`; a prompt is prefilled alone, then copied into its
 row, so a row's cache is exactly what a lone generation's would be) and leave as soon as
-they finish (their slot is free for the next step); :meth:`pop_finished` hands the
-results over. :func:`generate_batch` runs a fixed batch to the end.
+they finish or are cancelled (:meth:`cancel`; their slot is free for the next step);
+:meth:`pop_finished` hands the results over. :func:`generate_batch` runs a fixed batch to the end.
 """
 
 from __future__ import annotations
@@ -151,6 +151,27 @@ class BatchGenerator:
         out, self.finished = self.finished, {}
         return out
 
+    def cancel(self, request: int) -> bool:
+        """Drop a waiting or live request (no result); its row is free for the next step.
+        False when it is unknown or already finished."""
+        for i, (waiting, _) in enumerate(self.waiting):
+            if waiting == request:
+                del self.waiting[i]
+                return True
+        for b, row in enumerate(self.rows):
+            if row.request == request:
+                self._free(b)
+                return True
+        return False
+
+    def _free(self, b: int) -> None:
+        """Free row ``b``: the last live row moves into it, in the caches and here."""
+        self.cache.drop_row(b)
+        if self.head_cache is not None:
+            self.head_cache.drop_row(b)
+        self.rows[b] = self.rows[-1]
+        self.rows.pop()
+
     # -- decoding ---------------------------------------------------------------------------
 
     def _admit(self) -> list[tuple[int, StreamEvent]]:
@@ -274,11 +295,7 @@ class BatchGenerator:
             if row.run.finish is None:
                 continue
             self.finished[row.request] = row.run.result(row.start)
-            self.cache.drop_row(b)
-            if self.head_cache is not None:
-                self.head_cache.drop_row(b)
-            rows[b] = rows[-1]
-            rows.pop()
+            self._free(b)
         return events
 
 
