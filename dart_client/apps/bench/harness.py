@@ -697,7 +697,9 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                 "tau": sum(k * v for k, v in hist.items()) / steps if steps else None,
                 "accept_histogram": {str(k): hist[k] for k in sorted(hist)},
                 "mean_tree_nodes": statistics.fmean(tree_nodes) if tree_nodes else None,
-                "draft_ms_per_step": 1e3 * drafting / steps if steps and drafting else None,
+                "draft_ms_per_step": (
+                    1e3 * drafting / steps if steps and any(n > 1 for n in tree_nodes) else None
+                ),
                 "stage_share": shares,
                 "greedy_equal_ar": equal if settings.greedy else None,
                 # Where each differing greedy output first leaves AR's (token index): in bf16
