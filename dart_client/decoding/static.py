@@ -1,0 +1,387 @@
+"""The static verification path: fixed shapes, device-side acceptance, CUDA graphs on a GPU.
+
+On a GPU a decoding step of a small model is dominated by the host: hundreds of kernel
+launches from Python, a new attention plan and new allocations for every new cache length.
+:class:`StaticVerifier` makes every verification forward one of a few fixed shapes, so
+that on cuda each is captured once as a CUDA graph and a step is
+
+1. one host-to-device copy: the tree (tokens, depths, parents, ancestor mask) and the
+   cache length, packed in one pinned buffer;
+2. one graph replay: positions, write slots and the attention mask made from those on the
+   device, the target's forward over the tree padded to its bucket, greedy acceptance, the
+   accepted nodes' K/V compacted into place, the accepted rows' taps gathered;
+3. one device-to-host copy: the accepted count, the bonus token and the accepted path.
+
+Shapes: the tree is padded to the smallest of a few bucket sizes (:func:`bucket_sizes`);
+padded nodes see only themselves, no real node sees them, and they are never accepted. The
+KV cache is the preallocated :class:`~dart_client.models.target.TargetCache` in static mode
+(:meth:`~dart_client.models.target.TargetCache.set_slots`): keys are written at slots given
+by a device tensor and attention reads the whole buffer under an additive float mask
+``(bucket, capacity)``. That is the attention path chosen on purpose: SDPA with a padded
+static mask has one shape per bucket, so no per-length plan (cuDNN), no allocator growth and
+no new cuBLAS heuristics inside the loop, it runs on every SDPA backend that takes an
+arbitrary mask (the memory-efficient kernel on cuda is preferred; math is the fallback), and
+it goes through transformers' own attention path unchanged (one code path for every
+supported target). Its cost is attending over the whole capacity instead of the used
+length: small on a GPU for the contexts DART serves, which is why the static path is the
+default there and not on the CPU (``GenerationConfig.static``).
+
+On the CPU (and on cuda with ``graphs=False``) the same buffers and the same program run
+eagerly, which is what the CPU tests check against the dynamic path.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dart_client.decoding.accept import Acceptance
+from dart_client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from dart_client.decoding.verify import Tree
+    from dart_client.models.target import TargetCache, TargetModel
+
+#: Tree sizes (root included) the verification forward is padded to, up to the largest tree.
+BASE_BUCKETS = (1, 8, 16, 32, 64)
+#: Larger trees are padded to a multiple of this.
+BUCKET_STEP = 32
+#: The static cache's capacity is rounded up to a multiple of this (aligned rows for the
+#: memory-efficient attention kernel's mask, and fewer distinct capacities to capture).
+CAPACITY_ALIGN = 256
+
+
+def bucket_sizes(max_tree: int) -> tuple[int, ...]:
+    """The buckets for trees of at most ``max_tree`` nodes (root included): the base
+    sizes below it and the first size (a base one or a multiple of :data:`BUCKET_STEP`)
+    that holds it."""
+    if max_tree < 1:
+        raise InvalidArgumentError(f"a tree has at least one node, got {max_tree}")
+    sizes = [b for b in BASE_BUCKETS if b < max_tree]
+    top = next((b for b in BASE_BUCKETS if b >= max_tree), None)
+    sizes.append(top if top is not None else math.ceil(max_tree / BUCKET_STEP) * BUCKET_STEP)
+    return tuple(sizes)
+
+
+def static_capacity(max_length: int, max_tree: int) -> int:
+    """A static cache's capacity for ``max_length`` tokens: room for a padded tree after
+    the last position and one trash slot (where compaction sends the rejected nodes)."""
+    need = max_length + bucket_sizes(max_tree)[-1] + 1
+    return math.ceil(need / CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+@dataclass
+class _Bucket:
+    """One bucket's static buffers and, on cuda, its captured graphs."""
+
+    size: int
+    host_in: torch.Tensor  # pinned on cuda: [length, n, tokens, depths, parents, mask bytes]
+    device_in: torch.Tensor
+    slots: torch.Tensor  # the cache positions the forward writes
+    host_out: torch.Tensor  # [count, bonus, path nodes]
+    outputs: dict[str, Any]
+    graphs: dict[str, Any]
+
+
+@dataclass
+class StaticStep:
+    """What one greedy static step returns: the acceptance and the accepted rows' taps
+    ``(1, len(nodes), 3H)`` (a view of a static buffer: read it before the next step)."""
+
+    acceptance: Acceptance
+    taps: torch.Tensor
+
+
+class StaticVerifier:
+    """Fixed-shape verification over one :class:`TargetCache` (see the module docstring).
+
+    ``graphs``: capture each bucket's program as a CUDA graph the first time it runs (cuda
+    only); otherwise it runs eagerly, buffers and all.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        cache: TargetCache,
+        max_tree: int,
+        *,
+        graphs: bool,
+        buckets: tuple[int, ...] | None = None,
+    ) -> None:
+        """``buckets``: the padded sizes (default :func:`bucket_sizes` of ``max_tree``)."""
+        device = target.device
+        if graphs and device.type != "cuda":
+            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        self.target = target
+        self.cache = cache
+        self.device = device
+        self.graphs = graphs
+        self.buckets = tuple(sorted(buckets)) if buckets else bucket_sizes(max_tree)
+        if self.buckets[-1] < max_tree:
+            raise InvalidArgumentError(
+                f"static buckets {self.buckets} cannot hold a tree of {max_tree} nodes"
+            )
+        self.capacity = cache.capacity
+        #: Rejected nodes' K/V are "compacted" here, never into a live position.
+        self.trash = self.capacity - 1
+        self._state: dict[int, _Bucket] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
+        self._columns = torch.arange(self.capacity, device=device)
+        self.clear_tail()
+
+    def clear_tail(self) -> None:
+        """Zero every K/V position from the cache's length on: the static forward attends
+        over the whole buffer, and a masked key must weigh exactly 0 (0 x an uninitialised
+        NaN is not 0). Once per generation; what a step leaves there later is finite."""
+        length = self.cache.length
+        for buffer in self.cache.buffers():
+            dim = buffer.dim() - 2
+            buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
+
+    @property
+    def max_tree(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        """The bucket a tree of ``n`` nodes is padded to."""
+        for size in self.buckets:
+            if size >= n:
+                return size
+        raise InvalidArgumentError(
+            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
+        )
+
+    # -- the step -------------------------------------------------------------------------
+
+    def greedy_step(self, tree: Tree) -> StaticStep:
+        """Verify ``tree`` at the cache's length, accept greedily and compact on the device;
+        the cache's length then counts the accepted nodes."""
+        state = self._load(tree)
+        out = self._execute(state, "greedy")
+        host = state.host_out
+        host.copy_(out["result"], non_blocking=host.is_pinned())
+        if host.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()
+        values = host.tolist()
+        count, bonus = int(values[0]), int(values[1])
+        nodes = [int(v) for v in values[2 : 2 + count]]
+        self.cache.truncate(self.cache.length + count)
+        acceptance = Acceptance(
+            nodes=nodes, tokens=[tree.tokens[i] for i in nodes[1:]], bonus=bonus
+        )
+        return StaticStep(acceptance, out["taps"][:, :count])
+
+    def forward(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward alone (sampling accepts on the host): logits (n, V) and taps
+        (1, n, 3H) of the tree's own nodes; the cache's length grows by n, as the dynamic
+        verification's does, for the caller's :meth:`TargetCache.keep`."""
+        state = self._load(tree)
+        out = self._execute(state, "forward")
+        n = len(tree)
+        self.cache.truncate(self.cache.length + n)
+        return out["logits"][0, :n], out["taps"][:, :n]
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _load(self, tree: Tree) -> _Bucket:
+        """Pack the tree into its bucket's host buffer and send it in one copy."""
+        n = len(tree)
+        size = self.bucket(n)
+        if self.cache.length + size > self.trash:
+            raise InvalidArgumentError(
+                f"static cache overflow: a {size}-node bucket at length {self.cache.length} "
+                f"needs more than the capacity of {self.capacity}"
+            )
+        state = self._state.get(size) or self._new_bucket(size)
+        self._pack(state, tree)
+        state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
+        return state
+
+    def _new_bucket(self, size: int) -> _Bucket:
+        words = 2 + 3 * size + math.ceil(size * size / 8)
+        pinned = self.device.type == "cuda"
+        host_in = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
+        state = _Bucket(
+            size=size,
+            host_in=host_in,
+            device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
+            slots=torch.zeros(size, dtype=torch.int64, device=self.device),
+            host_out=torch.zeros(2 + size, dtype=torch.int64, pin_memory=pinned),
+            outputs={},
+            graphs={},
+        )
+        self._state[size] = state
+        return state
+
+    def _pack(self, state: _Bucket, tree: Tree) -> None:
+        size, n = state.size, len(tree)
+        words = state.host_in.numpy()
+        words[:] = 0
+        words[0], words[1] = self.cache.length, n
+        words[2 : 2 + n] = tree.tokens
+        words[2 + size : 2 + size + n] = tree.depths.numpy()
+        parents = np.asarray(tree.parents, dtype=np.int64)
+        words[2 + 2 * size + 1 : 2 + 2 * size + n] = parents[1:]
+        mask = words[2 + 3 * size :].view(np.uint8)[: size * size].reshape(size, size)
+        mask[:n, :n] = tree.mask.numpy()
+        # A padded node sees only itself (a well-defined softmax); nothing sees it.
+        pad = np.arange(n, size)
+        mask[pad, pad] = 1
+
+    # -- the device program ------------------------------------------------------------------
+
+    def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        if not self.graphs:
+            with self._attention():
+                return self._program(state, kind)
+        graph = state.graphs.get(kind)
+        if graph is None:
+            graph = self._capture(state, kind)
+        graph.replay()
+        return state.outputs[kind]
+
+    def _capture(self, state: _Bucket, kind: str) -> Any:
+        """Capture ``kind``'s program for this bucket, after warm-up runs on a side stream
+        (as CUDA graphs require). The warm-ups run on the inputs just loaded, which is
+        harmless: the program is idempotent (it rewrites every node's K/V at and after the
+        length before it compacts, and reads nothing else there), so the replay that
+        follows leaves what one run would."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), self._attention():
+            for _ in range(2):
+                self._program(state, kind)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), self._attention():
+            state.outputs[kind] = self._program(state, kind)
+        state.graphs[kind] = graph
+        return graph
+
+    def _attention(self) -> AbstractContextManager[Any]:
+        """On cuda, SDPA's memory-efficient kernel (any additive mask, no per-shape plan),
+        math as the fallback; elsewhere PyTorch's choice."""
+        if self.device.type != "cuda":
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    @torch.no_grad()
+    def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        """Everything between the two copies, in fixed shapes: read the packed inputs, run
+        the padded forward, and for ``kind == "greedy"`` accept and compact."""
+        size = state.size
+        words = state.device_in
+        length, n = words[0], words[1]
+        tokens = words[2 : 2 + size]
+        depths = words[2 + size : 2 + 2 * size]
+        parents = words[2 + 2 * size : 2 + 3 * size]
+        sees = words[2 + 3 * size :].view(torch.uint8)[: size * size].view(size, size).bool()
+        nodes = torch.arange(size, device=self.device)
+        state.slots.copy_(nodes + length)
+        mask = self._mask(sees, length, size)
+        self.cache.set_slots(state.slots)
+        try:
+            logits, taps = self.target.run(
+                tokens.unsqueeze(0), (depths + length).unsqueeze(0), mask, self.cache
+            )
+        finally:
+            self.cache.set_slots(None)
+        assert taps is not None
+        if kind == "forward":
+            return {"logits": logits, "taps": taps}
+        # Greedy acceptance: a node is accepted when its token is the target's argmax at its
+        # parent, it is the first such child (as the host walk takes it), and so are all of
+        # its ancestors; padded nodes never are.
+        best = logits[0].argmax(-1)
+        real = nodes < n
+        is_root = nodes == 0
+        match = ((tokens == best[parents]) & real) | is_root
+        candidate = torch.where(match & ~is_root, nodes, size)
+        first = torch.full((size,), size, dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(0, parents, candidate, "amin")
+        match = match & ((first[parents] == nodes) | is_root)
+        accepted = ~(sees & ~match.unsqueeze(0)).any(1) & real
+        count = accepted.sum().unsqueeze(0)
+        last = torch.where(accepted, depths, -1).argmax().unsqueeze(0)
+        bonus = best[last]
+        # The accepted path in depth order (rejected nodes land in a spare last entry).
+        path = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
+        path = path.scatter(0, torch.where(accepted, depths, size), nodes)[:size]
+        # Compaction: accepted node i moves from length + i to length + depth(i).
+        source = nodes + length
+        target = torch.where(accepted, depths + length, self.trash)
+        for buffer in self.cache.buffers():
+            dim = buffer.dim() - 2
+            buffer.index_copy_(dim, target, buffer.index_select(dim, source))
+        return {
+            "result": torch.cat([count, bonus, path]),
+            "taps": taps.index_select(1, path),
+        }
+
+    def _mask(self, sees: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
+        """Float mask (1, 1, size, capacity): every node sees the cache below ``length``
+        and, from ``length`` on, the tree nodes its row of ``sees`` allows; nothing else."""
+        offset = self._columns - length
+        in_tree = (offset >= 0) & (offset < size)
+        tree_part = sees[:, offset.clamp(0, size - 1)] & in_tree
+        visible = (offset < 0) | tree_part
+        dtype = self.target.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)
+        return mask.view(1, 1, size, self.capacity)
+
+
+def verifier_for(
+    target: TargetModel, cache: TargetCache, max_tree: int, *, graphs: bool
+) -> StaticVerifier:
+    """The cache's static verifier (kept on the cache: its graphs hold the cache's buffers),
+    made anew when the trees outgrow its buckets or the graph setting changes."""
+    held = getattr(cache, "static_verifier", None)
+    if (
+        isinstance(held, StaticVerifier)
+        and held.target is target
+        and held.graphs == graphs
+        and held.max_tree >= max_tree
+    ):
+        return held
+    verifier = StaticVerifier(target, cache, max_tree, graphs=graphs)
+    cache.static_verifier = verifier
+    return verifier
+
+
+#: ``GenerationConfig.static`` values.
+STATIC_CHOICES: tuple[Any, ...] = (True, False, "auto")
+
+
+def resolve_static(value: bool | str, device: torch.device) -> bool:
+    """``"auto"``: the static path on cuda (its own device), the dynamic one elsewhere (on
+    the CPU attending over the whole capacity costs more than it saves)."""
+    if value == "auto":
+        return device.type == "cuda"
+    return bool(value)
+
+
+def lend_cache(target: TargetModel, capacity: int) -> TargetCache:
+    """A static cache of at least ``capacity`` for one generation: a free one the target
+    holds (its captured graphs come with it) or a new one it then holds. Give it back with
+    :func:`return_cache`; a cache still lent (a generation in progress) is never shared."""
+    pool: list[TargetCache] = target.__dict__.setdefault("_static_caches", [])
+    free = [c for c in pool if not getattr(c, "lent", False) and c.capacity >= capacity]
+    cache = min(free, key=lambda c: c.capacity) if free else None
+    if cache is None:
+        cache = target.new_cache(capacity)
+        pool.append(cache)
+    cache.truncate(0)
+    cache.lent = True  # type: ignore[attr-defined]
+    return cache
+
+
+def return_cache(cache: TargetCache) -> None:
+    cache.lent = False  # type: ignore[attr-defined]
