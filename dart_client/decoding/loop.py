@@ -459,9 +459,13 @@ class _Run:
             accepted_taps = None
             if static is not None and self.params.greedy:
                 # One copy in, one graph (forward, acceptance, compaction), one copy out.
-                outcome = static.greedy_step(tree)
-                acc, accepted_taps = outcome.acceptance, outcome.taps
+                loaded = static.load(tree)
+                t = self._lap(t, "inputs", step)
+                out = static.run_greedy(loaded)
                 t = self._lap(t, "verify", step)
+                outcome = static.accepted(loaded, out, tree)
+                acc, accepted_taps = outcome.acceptance, outcome.taps
+                t = self._lap(t, "accept", step)
             else:
                 if static is not None:
                     logits, taps = static.forward(tree)

@@ -160,9 +160,19 @@ class StaticVerifier:
 
     def greedy_step(self, tree: Tree) -> StaticStep:
         """Verify ``tree`` at the cache's length, accept greedily and compact on the device;
-        the cache's length then counts the accepted nodes."""
-        state = self._load(tree)
-        out = self._execute(state, "greedy")
+        the cache's length then counts the accepted nodes. The three phases (copy in,
+        replay, copy out) are :meth:`load`, :meth:`run_greedy` and :meth:`accepted`."""
+        state = self.load(tree)
+        out = self.run_greedy(state)
+        return self.accepted(state, out, tree)
+
+    def run_greedy(self, state: _Bucket) -> dict[str, Any]:
+        """The loaded bucket's forward, acceptance and compaction (one graph on cuda)."""
+        return self._execute(state, "greedy")
+
+    def accepted(self, state: _Bucket, out: dict[str, Any], tree: Tree) -> StaticStep:
+        """The one device-to-host copy of a greedy step (count, bonus, path) and its
+        reading; moves the cache's length past the accepted nodes."""
         host = state.host_out
         host.copy_(out["result"], non_blocking=host.is_pinned())
         if host.is_pinned():
@@ -180,7 +190,7 @@ class StaticVerifier:
         """The padded forward alone (sampling accepts on the host): logits (n, V) and taps
         (1, n, 3H) of the tree's own nodes; the cache's length grows by n, as the dynamic
         verification's does, for the caller's :meth:`TargetCache.keep`."""
-        state = self._load(tree)
+        state = self.load(tree)
         out = self._execute(state, "forward")
         n = len(tree)
         self.cache.truncate(self.cache.length + n)
@@ -188,7 +198,7 @@ class StaticVerifier:
 
     # -- buffers ---------------------------------------------------------------------------
 
-    def _load(self, tree: Tree) -> _Bucket:
+    def load(self, tree: Tree) -> _Bucket:
         """Pack the tree into its bucket's host buffer and send it in one copy."""
         n = len(tree)
         size = self.bucket(n)
