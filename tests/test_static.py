@@ -162,6 +162,44 @@ def test_static_greedy_is_the_dynamic_and_the_target_greedy(arch: str, tiny: Any
     assert longest >= 4, "no long accepted run: compaction untested"
 
 
+class RecordingOracle(OracleTree):
+    """An oracle tree builder that keeps the draft rows it was given at every step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows: list[Any] = []
+
+    def build(self, context: np.ndarray, rows: Any, budget: int) -> Tree:
+        self.rows.append(rows)
+        return super().build(context, rows, budget)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_static_draft_rows_are_the_dynamic_drafts(tiny: Any) -> None:
+    """The draft the static step makes in its replay (accepted rows right-aligned, padded,
+    over the head's static cache) gives the dynamic draft's top-k ids and probabilities at
+    every step, long accepted runs included."""
+    model, head = tiny
+    steps = 0
+    for i, prompt in enumerate(random_prompts(3, seed=12)):
+        want = hf_greedy(model, prompt, max_new_tokens=20)
+        drafts = {}
+        for static in (False, True):
+            oracle = RecordingOracle(want, seed=i, depth=7)
+            dm = DartModel(model, head, tree_builder=oracle)
+            dm.draft_top_k = 5
+            got = run_oracle(dm, oracle, input_ids=prompt, max_new_tokens=20, static=static)
+            assert got.tokens == want
+            drafts[static] = oracle.rows
+        assert len(drafts[True]) == len(drafts[False]) > 1
+        for a, b in zip(drafts[True], drafts[False], strict=True):
+            assert a.ids.shape == b.ids.shape == (4, 5)
+            np.testing.assert_array_equal(a.ids, b.ids)
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5, atol=1e-6)
+            steps += 1
+    assert steps > 6
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_static_path_with_a_prefix_cache_and_a_reused_cache(tiny: Any) -> None:
     """A conversation's second turn reuses its static cache (and verifier); generations
@@ -220,22 +258,37 @@ def test_static_greedy_on_a_bf16_target_leaves_ar_only_at_near_ties() -> None:
 @cuda_only
 def test_cuda_graphs_replay_the_eager_program(tiny: Any) -> None:
     """On cuda: the captured graphs (one per bucket and kind) give the eager program's
-    outputs, replayed many times over a growing cache, and decoding through them is the
-    target's greedy decoding."""
+    outputs (acceptance, taps, the head's draft rows), replayed many times over growing
+    caches, and decoding through them is the target's greedy decoding."""
+    from dart_client.decoding.draft import draft_rows
+
     model, head = tiny
     target = TargetModel(model)
+    head.bind_embedding(target.embedding())
     rng = np.random.default_rng(4)
     prompt = rng.integers(3, 300, size=19).tolist()
-    eager_cache = prefilled(target, prompt, 512)
-    graph_cache = prefilled(target, prompt, 512)
-    eager = StaticVerifier(target, eager_cache, 20, graphs=False)
-    graphed = verifier_for(target, graph_cache, 20, graphs=True)
+    verifiers = []
+    for graphs in (False, True):
+        cache = target.new_cache(512)
+        ids = torch.tensor([prompt], device=target.device)
+        _, taps = target.forward(ids, torch.arange(len(prompt), device=target.device)[None], cache)
+        v = verifier_for(target, cache, 20, graphs=graphs, head=head, top_k=4)
+        assert v.head_cache is not None
+        draft_rows(
+            head, v.head_cache, taps, torch.tensor([[*prompt[1:], 5]], device=target.device), 4
+        )
+        verifiers.append(v)
+    eager, graphed = verifiers
     for _ in range(12):
         tree = random_tree(int(rng.integers(1, 21)), rng, 300)
         want = eager.greedy_step(tree)
         got = graphed.greedy_step(tree)
         assert got.acceptance == want.acceptance
         torch.testing.assert_close(got.taps, want.taps)
+        assert got.rows is not None and want.rows is not None
+        np.testing.assert_array_equal(got.rows.ids, want.rows.ids)
+        np.testing.assert_allclose(got.rows.probs, want.rows.probs, rtol=1e-6)
+    eager_cache, graph_cache = eager.cache, graphed.cache
     assert {k for s in graphed._state.values() for k in s.graphs} == {"greedy"}
     for _ in range(3):
         tree = random_tree(9, rng, 300)

@@ -39,6 +39,7 @@ from dart_client.decoding.static import (
     resolve_static,
     return_cache,
     static_capacity,
+    static_head_capacity,
     verifier_for,
 )
 from dart_client.decoding.verify import Tree, verify_tree
@@ -340,6 +341,11 @@ class _Run:
             max_tree = min(max_tree, self.tree_budget + 1)
         capacity = static_capacity(self.max_length, max_tree) if self.static else self.max_length
         begin = kept._start(self.prompt, capacity, head_capacity) if kept else 0
+        if begin and self.static and head is not None:
+            assert kept is not None
+            needed = static_head_capacity(kept.cache.capacity, head.config.draft_length)
+            if kept.head_cache.capacity != needed:
+                begin = 0  # a head cache of the dynamic path: the static draft cannot use it
         if kept is not None:
             # Until this generation ends the caches change under the recorded tokens: an
             # interrupted generation leaves nothing to reuse.
@@ -387,13 +393,22 @@ class _Run:
         static: StaticVerifier | None = None
         if self.static and self.finish is None:
             graphs = self.device.type == "cuda"
-            static = verifier_for(target, cache, max_tree, graphs=graphs)
+            static = verifier_for(
+                target,
+                cache,
+                max_tree,
+                graphs=graphs,
+                head=head,
+                top_k=self.model.draft_top_k,
+                head_cache=kept.head_cache if begin > 0 and head is not None else None,
+            )
             static.clear_tail()
+        static_greedy = static is not None and self.params.greedy
         rows: DraftRows | None = None
         head_cache = None
         # What the next draft reads: the last forward's taps, the accepted nodes among them
-        # (None: the taps are those nodes' already) and the accepted nodes' tokens.
-        pending: tuple[torch.Tensor, list[int] | None, list[int]] | None = None
+        # and the accepted nodes' tokens.
+        pending: tuple[torch.Tensor, list[int], list[int]] | None = None
         if head is not None and self.finish is None:
             assert taps is not None
             t = self._clock()
@@ -401,6 +416,10 @@ class _Run:
                 assert kept is not None
                 head_cache = kept.head_cache
                 head_cache.truncate(begin)
+            elif static is not None:
+                head_cache = static.head_cache
+                assert head_cache is not None
+                head_cache.truncate(0)
             else:
                 head_cache = head.new_cache(head_capacity)
             next_ids = torch.tensor(
@@ -416,14 +435,12 @@ class _Run:
             if pending is not None:
                 assert head is not None and head_cache is not None
                 step_taps, nodes, new = pending
-                if nodes is not None:
-                    index = torch.tensor(nodes, dtype=torch.long, device=self.device)
-                    step_taps = step_taps.index_select(1, index)
+                index = torch.tensor(nodes, dtype=torch.long, device=self.device)
                 next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
                 rows = draft_rows(
                     head,
                     head_cache,
-                    step_taps,
+                    step_taps.index_select(1, index),
                     next_ids,
                     self.model.draft_top_k,
                 )
@@ -456,15 +473,17 @@ class _Run:
             else:
                 tree = Tree.root_only(root)
             t = self._lap(t, "prune", step)
-            accepted_taps = None
-            if static is not None and self.params.greedy:
+            if static_greedy:
+                assert static is not None
                 # One copy in, one graph (forward, acceptance, compaction), one copy out.
                 loaded = static.load(tree)
                 t = self._lap(t, "inputs", step)
                 out = static.run_greedy(loaded)
                 t = self._lap(t, "verify", step)
                 outcome = static.accepted(loaded, out, tree)
-                acc, accepted_taps = outcome.acceptance, outcome.taps
+                acc = outcome.acceptance
+                if outcome.rows is not None:
+                    rows = outcome.rows  # drafted in the same replay: no draft stage
                 t = self._lap(t, "accept", step)
             else:
                 if static is not None:
@@ -494,12 +513,10 @@ class _Run:
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
-            if self.finish is None and head is not None:
-                if accepted_taps is not None:
-                    pending = (accepted_taps, None, new)
-                else:
-                    assert taps is not None
-                    pending = (taps, acc.nodes, new)
+            # (A static greedy step drafted the next rows in its replay already.)
+            if self.finish is None and head is not None and not static_greedy:
+                assert taps is not None
+                pending = (taps, acc.nodes, new)
             yield event
 
         if kept is not None:

@@ -41,10 +41,12 @@ import numpy as np
 import torch
 
 from dart_client.decoding.accept import Acceptance
+from dart_client.decoding.draft import DraftRows
 from dart_client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from dart_client.decoding.verify import Tree
+    from dart_client.models.head import DartHead, HeadCache
     from dart_client.models.target import TargetCache, TargetModel
 
 #: Tree sizes (root included) the verification forward is padded to, up to the largest tree.
@@ -71,8 +73,23 @@ def bucket_sizes(max_tree: int) -> tuple[int, ...]:
 def static_capacity(max_length: int, max_tree: int) -> int:
     """A static cache's capacity for ``max_length`` tokens: room for a padded tree after
     the last position and one trash slot (where compaction sends the rejected nodes)."""
-    need = max_length + bucket_sizes(max_tree)[-1] + 1
-    return math.ceil(need / CAPACITY_ALIGN) * CAPACITY_ALIGN
+    return _aligned(max_length + bucket_sizes(max_tree)[-1] + 1)
+
+
+def static_head_capacity(capacity: int, masks: int) -> int:
+    """The head cache's capacity next to a static target cache of ``capacity``: the head's
+    length never exceeds the target's, so a padded draft (a tree's worth of rows, then
+    ``masks`` mask slots) and a trash slot fit after it."""
+    return _aligned(capacity + masks + 1)
+
+
+def _aligned(positions: int) -> int:
+    return math.ceil(positions / CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+#: Words of the packed input before the tree: the target cache's length, the tree's node
+#: count, the head cache's length.
+HEADER = 3
 
 
 @dataclass
@@ -80,28 +97,35 @@ class _Bucket:
     """One bucket's static buffers and, on cuda, its captured graphs."""
 
     size: int
-    host_in: torch.Tensor  # pinned on cuda: [length, n, tokens, depths, parents, mask bytes]
+    #: Pinned on cuda: [HEADER, tokens, depths, parents, mask bytes] (int64 words).
+    host_in: torch.Tensor
     device_in: torch.Tensor
-    slots: torch.Tensor  # the cache positions the forward writes
-    host_out: torch.Tensor  # [count, bonus, path nodes]
+    slots: torch.Tensor  # the target cache positions the forward writes
+    head_slots: torch.Tensor | None  # the head cache positions its draft writes
+    #: [count, bonus, path nodes, draft ids, draft probs] (float64: exact for all of them).
+    host_out: torch.Tensor
     outputs: dict[str, Any]
     graphs: dict[str, Any]
 
 
 @dataclass
 class StaticStep:
-    """What one greedy static step returns: the acceptance and the accepted rows' taps
-    ``(1, len(nodes), 3H)`` (a view of a static buffer: read it before the next step)."""
+    """What one greedy static step returns: the acceptance, the accepted rows' taps
+    ``(1, len(nodes), 3H)`` (a view of a static buffer: read it before the next step) and,
+    with a head, the next step's draft rows (drafted in the same replay)."""
 
     acceptance: Acceptance
     taps: torch.Tensor
+    rows: DraftRows | None = None
 
 
 class StaticVerifier:
     """Fixed-shape verification over one :class:`TargetCache` (see the module docstring).
 
     ``graphs``: capture each bucket's program as a CUDA graph the first time it runs (cuda
-    only); otherwise it runs eagerly, buffers and all.
+    only); otherwise it runs eagerly, buffers and all. With a ``head``, a greedy step also
+    drafts the next step's rows (top ``top_k`` per row) from the accepted nodes, in the same
+    program and the same copy out, over :attr:`head_cache` (the head's static cache).
     """
 
     def __init__(
@@ -112,8 +136,12 @@ class StaticVerifier:
         *,
         graphs: bool,
         buckets: tuple[int, ...] | None = None,
+        head: DartHead | None = None,
+        top_k: int = 0,
+        head_cache: HeadCache | None = None,
     ) -> None:
-        """``buckets``: the padded sizes (default :func:`bucket_sizes` of ``max_tree``)."""
+        """``buckets``: the padded sizes (default :func:`bucket_sizes` of ``max_tree``);
+        ``head_cache``: the head's cache to use (a conversation's), else a new one."""
         device = target.device
         if graphs and device.type != "cuda":
             raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
@@ -132,16 +160,42 @@ class StaticVerifier:
         self._state: dict[int, _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         self._columns = torch.arange(self.capacity, device=device)
+        self.head = head
+        self.head_cache: HeadCache | None = None
+        if head is not None:
+            if top_k < 1:
+                raise InvalidArgumentError(f"draft top-k must be >= 1, got {top_k}")
+            self.top_k = min(top_k, head.config.draft_vocab_size)
+            self.masks = head.config.draft_length
+            # The head's length never exceeds the target's: room for a padded draft (the
+            # accepted rows, then the mask slots) after it, and a trash slot.
+            head_capacity = static_head_capacity(self.capacity, self.masks)
+            if head_cache is not None and head_cache.capacity != head_capacity:
+                raise InvalidArgumentError(
+                    f"a static head cache holds {head_capacity} positions here, not "
+                    f"{head_cache.capacity}"
+                )
+            self.head_cache = head_cache or head.new_cache(head_capacity)
+            self.head_trash = head_capacity - 1
+            self._head_columns = torch.arange(head_capacity, device=device)
+            dtype = head.fc.weight.dtype
+            # Every position's RoPE rows computed once (the graphs read this table).
+            self._rope = head.rope(0, head_capacity, torch.empty((), dtype=dtype, device=device))
+            self._draft_to_target = head.draft_to_target
         self.clear_tail()
 
     def clear_tail(self) -> None:
         """Zero every K/V position from the cache's length on: the static forward attends
         over the whole buffer, and a masked key must weigh exactly 0 (0 x an uninitialised
         NaN is not 0). Once per generation; what a step leaves there later is finite."""
-        length = self.cache.length
-        for buffer in self.cache.buffers():
-            dim = buffer.dim() - 2
-            buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
+        caches: list[Any] = [self.cache, self.head_cache]
+        for cache in caches:
+            if cache is None:
+                continue
+            length = cache.length
+            for buffer in cache.buffers():
+                dim = buffer.dim() - 2
+                buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
 
     @property
     def max_tree(self) -> int:
@@ -174,17 +228,28 @@ class StaticVerifier:
         """The one device-to-host copy of a greedy step (count, bonus, path) and its
         reading; moves the cache's length past the accepted nodes."""
         host = state.host_out
-        host.copy_(out["result"], non_blocking=host.is_pinned())
+        host.copy_(out["result"], non_blocking=host.is_pinned())  # the one copy out
         if host.is_pinned():
             torch.cuda.current_stream(self.device).synchronize()
-        values = host.tolist()
+        values = host.numpy()
+        size = state.size
         count, bonus = int(values[0]), int(values[1])
-        nodes = [int(v) for v in values[2 : 2 + count]]
+        nodes = values[2 : 2 + count].astype(np.int64).tolist()
         self.cache.truncate(self.cache.length + count)
         acceptance = Acceptance(
             nodes=nodes, tokens=[tree.tokens[i] for i in nodes[1:]], bonus=bonus
         )
-        return StaticStep(acceptance, out["taps"][:, :count])
+        rows = None
+        if self.head_cache is not None:
+            self.head_cache.length += count
+            shape = (self.masks + 1, self.top_k)
+            cells = shape[0] * shape[1]
+            drafted = values[2 + size : 2 + size + 2 * cells]
+            rows = DraftRows(
+                ids=drafted[:cells].astype(np.int64).reshape(shape),
+                probs=drafted[cells:].astype(np.float32).reshape(shape),
+            )
+        return StaticStep(acceptance, out["taps"][:, :count], rows)
 
     def forward(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward alone (sampling accepts on the host): logits (n, V) and taps
@@ -202,7 +267,10 @@ class StaticVerifier:
         """Pack the tree into its bucket's host buffer and send it in one copy."""
         n = len(tree)
         size = self.bucket(n)
-        if self.cache.length + size > self.trash:
+        head = self.head_cache
+        if self.cache.length + size > self.trash or (
+            head is not None and head.length + size + self.masks > self.head_trash
+        ):
             raise InvalidArgumentError(
                 f"static cache overflow: a {size}-node bucket at length {self.cache.length} "
                 f"needs more than the capacity of {self.capacity}"
@@ -213,15 +281,20 @@ class StaticVerifier:
         return state
 
     def _new_bucket(self, size: int) -> _Bucket:
-        words = 2 + 3 * size + math.ceil(size * size / 8)
+        words = HEADER + 3 * size + math.ceil(size * size / 8)
         pinned = self.device.type == "cuda"
         host_in = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
+        drafted = 0 if self.head is None else 2 * (self.masks + 1) * self.top_k
+        head_slots = None
+        if self.head is not None:
+            head_slots = torch.zeros(size + self.masks, dtype=torch.int64, device=self.device)
         state = _Bucket(
             size=size,
             host_in=host_in,
             device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
             slots=torch.zeros(size, dtype=torch.int64, device=self.device),
-            host_out=torch.zeros(2 + size, dtype=torch.int64, pin_memory=pinned),
+            head_slots=head_slots,
+            host_out=torch.zeros(2 + size + drafted, dtype=torch.float64, pin_memory=pinned),
             outputs={},
             graphs={},
         )
@@ -233,11 +306,12 @@ class StaticVerifier:
         words = state.host_in.numpy()
         words[:] = 0
         words[0], words[1] = self.cache.length, n
-        words[2 : 2 + n] = tree.tokens
-        words[2 + size : 2 + size + n] = tree.depths.numpy()
+        words[2] = 0 if self.head_cache is None else self.head_cache.length
+        words[HEADER : HEADER + n] = tree.tokens
+        words[HEADER + size : HEADER + size + n] = tree.depths.numpy()
         parents = np.asarray(tree.parents, dtype=np.int64)
-        words[2 + 2 * size + 1 : 2 + 2 * size + n] = parents[1:]
-        mask = words[2 + 3 * size :].view(np.uint8)[: size * size].reshape(size, size)
+        words[HEADER + 2 * size + 1 : HEADER + 2 * size + n] = parents[1:]
+        mask = words[HEADER + 3 * size :].view(np.uint8)[: size * size].reshape(size, size)
         mask[:n, :n] = tree.mask.numpy()
         # A padded node sees only itself (a well-defined softmax); nothing sees it.
         pad = np.arange(n, size)
@@ -288,11 +362,12 @@ class StaticVerifier:
         the padded forward, and for ``kind == "greedy"`` accept and compact."""
         size = state.size
         words = state.device_in
-        length, n = words[0], words[1]
-        tokens = words[2 : 2 + size]
-        depths = words[2 + size : 2 + 2 * size]
-        parents = words[2 + 2 * size : 2 + 3 * size]
-        sees = words[2 + 3 * size :].view(torch.uint8)[: size * size].view(size, size).bool()
+        length, n, head_length = words[0], words[1], words[2]
+        tokens = words[HEADER : HEADER + size]
+        depths = words[HEADER + size : HEADER + 2 * size]
+        parents = words[HEADER + 2 * size : HEADER + 3 * size]
+        mask_words = words[HEADER + 3 * size :]
+        sees = mask_words.view(torch.uint8)[: size * size].view(size, size).bool()
         nodes = torch.arange(size, device=self.device)
         state.slots.copy_(nodes + length)
         mask = self._mask(sees, length, size)
@@ -330,10 +405,78 @@ class StaticVerifier:
         for buffer in self.cache.buffers():
             dim = buffer.dim() - 2
             buffer.index_copy_(dim, target, buffer.index_select(dim, source))
+        parts = [count, bonus, path]
+        if self.head is not None:
+            assert state.head_slots is not None
+            ids, probs = self._draft(
+                state.head_slots, taps, tokens[path], path, count, bonus, head_length
+            )
+            parts += [ids.flatten(), probs.flatten()]
         return {
-            "result": torch.cat([count, bonus, path]),
+            "result": torch.cat([p.double() for p in parts]),
             "taps": taps.index_select(1, path),
         }
+
+    def _draft(
+        self,
+        slots: torch.Tensor,
+        taps: torch.Tensor,
+        path_tokens: torch.Tensor,
+        path: torch.Tensor,
+        count: torch.Tensor,
+        bonus: torch.Tensor,
+        head_length: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's draft from the accepted nodes, in fixed shapes: the ``count`` real
+        rows right-aligned in ``size`` rows (so the last real row and the mask slots are the
+        layer's last rows, as :meth:`DartHead.forward` has them), the rows before them
+        padding (they see position 0 only, write to a trash slot, and nothing sees them).
+        Real row d sits at position ``head_length + d``, mask slot i at ``head_length +
+        count + i`` (its key stored after the padded block); the masks see the cache, the
+        real rows and the slots before them, as in the dynamic draft. Returns the top-k
+        target ids and probabilities per row, ``(masks + 1, k)``."""
+        head, head_cache = self.head, self.head_cache
+        assert head is not None and head_cache is not None
+        size, masks = path.shape[0], self.masks
+        rows = torch.arange(size, device=self.device)
+        depth = rows - (size - count)  # the real row's accepted depth; < 0: padding
+        real = depth >= 0
+        at = depth.clamp(min=0)
+        row_taps = taps[0].index_select(0, path[at]).unsqueeze(0)
+        # The token after accepted node d: the next accepted one, the bonus after the last.
+        following = path_tokens[(at + 1).clamp(max=size - 1)]
+        next_ids = torch.where(depth < count - 1, following, bonus).unsqueeze(0)
+        slot = torch.arange(masks, device=self.device)
+        positions = torch.cat(
+            [torch.where(real, head_length + depth, 0), head_length + count + slot]
+        )
+        slots.copy_(
+            torch.cat(
+                [torch.where(real, head_length + depth, self.head_trash), head_length + size + slot]
+            )
+        )
+        columns = self._head_columns.unsqueeze(0)
+        real_sees = torch.where(
+            real.unsqueeze(1), columns <= (head_length + depth).unsqueeze(1), columns == 0
+        )
+        mask_sees = (columns < head_length + count) | (
+            (columns >= head_length + size) & (columns <= (head_length + size + slot).unsqueeze(1))
+        )
+        visible = torch.cat([real_sees, mask_sees])
+        dtype = head.fc.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(0).unsqueeze(0)
+        cos, sin = self._rope
+        cos_sin = (cos.index_select(1, positions), sin.index_select(1, positions))
+        head_cache.slots = slots
+        try:
+            projected = head.project_taps(row_taps.to(dtype))
+            logits = head.draft_logits(projected, next_ids, head_cache, cos_sin, mask, masks)[0]
+        finally:
+            head_cache.slots = None
+        top = torch.topk(logits, self.top_k, dim=-1)
+        probs = torch.softmax(top.values.float(), dim=-1)
+        return self._draft_to_target[top.indices], probs
 
     def _mask(self, sees: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
         """Float mask (1, 1, size, capacity): every node sees the cache below ``length``
@@ -349,20 +492,33 @@ class StaticVerifier:
 
 
 def verifier_for(
-    target: TargetModel, cache: TargetCache, max_tree: int, *, graphs: bool
+    target: TargetModel,
+    cache: TargetCache,
+    max_tree: int,
+    *,
+    graphs: bool,
+    head: DartHead | None = None,
+    top_k: int = 0,
+    head_cache: HeadCache | None = None,
 ) -> StaticVerifier:
-    """The cache's static verifier (kept on the cache: its graphs hold the cache's buffers),
-    made anew when the trees outgrow its buckets or the graph setting changes."""
-    held = getattr(cache, "static_verifier", None)
+    """The cache's static verifier for this head (kept on the cache, one per head and
+    setting, so AR and DART runs on one cache keep their graphs: those hold the cache's
+    buffers), made anew when the trees outgrow its buckets or ``head_cache`` (a
+    conversation's, to continue) is not its own."""
+    key = (id(head) if head is not None else None, top_k if head is not None else 0, graphs)
+    held = cache.static_verifiers.get(key)
     if (
         isinstance(held, StaticVerifier)
         and held.target is target
-        and held.graphs == graphs
+        and held.head is head
         and held.max_tree >= max_tree
+        and (head_cache is None or held.head_cache is head_cache)
     ):
         return held
-    verifier = StaticVerifier(target, cache, max_tree, graphs=graphs)
-    cache.static_verifier = verifier
+    verifier = StaticVerifier(
+        target, cache, max_tree, graphs=graphs, head=head, top_k=top_k, head_cache=head_cache
+    )
+    cache.static_verifiers[key] = verifier
     return verifier
 
 

@@ -221,8 +221,8 @@ class TargetCache(Cache):
             layers=[PreallocatedLayer(capacity, self.storage) for _ in range(num_layers)]
         )
         self.capacity = capacity
-        #: The static path's verifier for this cache (``decoding.static.verifier_for``).
-        self.static_verifier: Any = None
+        #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
+        self.static_verifiers: dict[Any, Any] = {}
 
     def set_slots(self, slots: torch.Tensor | None) -> None:
         """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
