@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_client.decoding.batch import BatchGenerator, generate_batch
 from dart_client.decoding.config import (
     GenerationConfig,
     config_from,
@@ -93,6 +94,8 @@ class DartModel:
     ) -> None:
         self.tree_budget = parse_tree_budget(tree_budget)
         self.tree_tuning: Any = None
+        #: ``tree_budget="auto"`` of fused batches, by batch size (:meth:`tune`).
+        self.batch_tree_tunings: dict[int, Any] = {}
         if not isinstance(target, TargetModel):
             target = TargetModel(target, tokenizer)
         elif tokenizer is not None and target.tokenizer is None:
@@ -236,20 +239,23 @@ class DartModel:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def tune(self, **kwargs: Any) -> int:
+    def tune(self, batch: int = 1, **kwargs: Any) -> int:
         """The node budget measured fastest on this machine (:mod:`dart_client.decoding.autotune`),
-        tuned once; the result stays in ``tree_tuning``. ``tree_budget="auto"`` resolves here."""
+        tuned once; the result stays in ``tree_tuning`` (``batch_tree_tunings[batch]`` for
+        the per-row budget of ``batch`` sequences decoded together). ``tree_budget="auto"``
+        resolves here."""
         from dart_client.decoding.autotune import auto_budget
 
-        return auto_budget(self, **kwargs)
+        return auto_budget(self, batch=batch, **kwargs)
 
-    def resolved_tree_budget(self, call: int | str | None = None) -> int | None:
+    def resolved_tree_budget(self, call: int | str | None = None, batch: int = 1) -> int | None:
         """The node budget a call with ``tree_budget=call`` uses: the call's, else the
-        model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`)."""
+        model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`,
+        for ``batch`` sequences decoded together)."""
         call = parse_tree_budget(call)
         model = self.tree_budget
         if call == "auto" or (call is None and model == "auto"):
-            return self.tune()
+            return self.tune(batch=batch)
         return resolve_tree_budget(call, model, pruner_max_nodes(self.pruner))
 
     def generate(
@@ -274,11 +280,7 @@ class DartModel:
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
             prompt, input_ids = None, prompt
-        config = config_from(config, overrides)
-        if mode == "dart" and self.head is not None and self.tree_builder is not None:
-            config = config.replace(tree_budget=self.resolved_tree_budget(config.tree_budget))
-        else:
-            config = config.replace(tree_budget=None)  # no tree: nothing to resolve
+        config = self._resolved(config_from(config, overrides), mode)
         return generate(
             self,
             config,
@@ -289,6 +291,43 @@ class DartModel:
             stream=stream,
             prefix_cache=prefix_cache,
         )
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Any],
+        config: GenerationConfig | Mapping[str, Any] | None = None,
+        *,
+        mode: str = "dart",
+        **overrides: Any,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) at once, fused: per step one head
+        forward, one pruner call and one target forward for the whole batch
+        (:mod:`dart_client.decoding.batch`). Each result equals what :meth:`generate` gives
+        that prompt alone (greedy: the same tokens; sampling: the same distribution). For
+        requests that come and go, use :meth:`batch_generator`."""
+        config = self._resolved(config_from(config, overrides), mode, max(1, len(prompts)))
+        return generate_batch(self, prompts, config, mode=mode)
+
+    def batch_generator(
+        self, *, mode: str = "dart", max_batch: int = 8, max_length: int = 2048
+    ) -> BatchGenerator:
+        """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
+        this model; configs given to its ``add`` take :meth:`resolve_config` first (with
+        ``batch=max_batch``)."""
+        return BatchGenerator(self, mode=mode, max_batch=max_batch, max_length=max_length)
+
+    def resolve_config(
+        self, config: GenerationConfig, mode: str = "dart", batch: int = 1
+    ) -> GenerationConfig:
+        """``config`` with its tree budget resolved for ``mode`` (as :meth:`generate` does;
+        ``"auto"`` tuned for ``batch`` sequences decoded together)."""
+        return self._resolved(config, mode, batch)
+
+    def _resolved(self, config: GenerationConfig, mode: str, batch: int = 1) -> GenerationConfig:
+        if mode == "dart" and self.head is not None and self.tree_builder is not None:
+            budget = self.resolved_tree_budget(config.tree_budget, batch)
+            return config.replace(tree_budget=budget)
+        return config.replace(tree_budget=None)  # no tree: nothing to resolve
 
     def ar_generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
         """``generate(..., mode="ar")``: plain autoregressive decoding."""

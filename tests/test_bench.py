@@ -262,3 +262,33 @@ def test_dart_cli_subcommands(capsys: Any) -> None:
         assert text in capsys.readouterr().out
     assert main(["generate", "--tree-budget", "lots", "hi"]) == 2
     assert "expected an integer >= 0 or 'auto'" in capsys.readouterr().err
+
+
+def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path) -> None:
+    from dart_client.apps.bench import batched
+
+    prompts = tmp_path / "tiny.jsonl"
+    texts = ("w5 w9 w17 w5 w9", "w40 w41", "w7 w7 w7", "w8 w30 w8", "w11", "w3 w4 w5 w6")
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in texts))
+    out = tmp_path / "batched.json"
+    args = batched.parser().parse_args(
+        [
+            "--workloads", str(prompts),
+            "--batch", "2",
+            "--groups", "2",
+            "--max-new-tokens", "10",
+            "--repetitions", "2",
+            "--batch-tree-budget", "auto",
+            "--output", str(out),
+        ]
+    )  # fmt: skip
+    assert batched.run(args, model=tiny_model) == 0
+    summary = json.loads(out.read_text())["summary"]
+    rates = summary["tokens_per_second"]
+    assert set(rates) == {"dart-x1", "ar-x1", "ar-x2", "dart-x2"}
+    assert all(r > 0 for r in rates.values())
+    # float64: the batched greedy outputs equal each prompt decoded alone.
+    assert summary["identical_to_alone"] == {"ar-x2": "4/4", "dart-x2": "4/4"}
+    tuning = summary["batch_budget_tuning"]
+    assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
+    assert summary["dart-x2 over dart-x1"] > 0

@@ -216,6 +216,27 @@ def generate(
     None for the tree builder's own limit: see ``DartModel.generate``); the room left for new
     tokens caps it. ``stream=True`` returns a :class:`GenerationStream`.
     """
+    run = new_run(model, config, mode, prompt, messages, input_ids, prefix_cache)
+    if stream:
+        return GenerationStream(run.events())
+    result = None
+    for event in run.events():
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+def new_run(
+    model: DecodingModel,
+    config: GenerationConfig,
+    mode: str,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    input_ids: Any = None,
+    prefix_cache: PrefixCache | None = None,
+) -> _Run:
+    """One generation's validated state (what :func:`generate` and a batch's row share)."""
     if mode not in ("dart", "ar"):
         raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
     if mode == "dart" and (model.head is None or model.tree_builder is None):
@@ -247,7 +268,7 @@ def generate(
             f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
             f"new token (raise max_length above {len(ids)} or shorten the prompt)"
         )
-    run = _Run(
+    return _Run(
         model,
         mode,
         ids,
@@ -261,14 +282,6 @@ def generate(
         prefix_cache,
         resolve_static(config.static, model.target.device),
     )
-    if stream:
-        return GenerationStream(run.events())
-    result = None
-    for event in run.events():
-        if isinstance(event, GenerationResult):
-            result = event
-    assert result is not None
-    return result
 
 
 class _Run:
@@ -446,29 +459,12 @@ class _Run:
                 )
                 pending = None
                 t = self._lap(t, "draft", step)
-            room = min(
-                self.max_length - prompt_len - len(self.generated),
-                self.max_new - len(self.generated),
-            )
             cache_len = cache.length
             root = self.generated[-1]
-            budget = room - 1  # leaves room for the bonus token
-            if self.tree_budget is not None:
-                budget = min(budget, self.tree_budget)
+            budget = self.tree_budget_now()
             if head is not None and rows is not None and budget > 0:
                 assert self.model.tree_builder is not None
-                context = np.asarray(
-                    self.generated[-PRUNER_CONTEXT:]
-                    if len(self.generated) >= PRUNER_CONTEXT
-                    else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
-                    dtype=np.int64,
-                )
-                path = None
-                index = self.lookup_index
-                if index is not None:
-                    assert self.lookup is not None
-                    index.extend(self.generated[len(index) - prompt_len :])
-                    path = self.lookup.path(index, budget)
+                context, path = self.pruner_inputs(budget)
                 tree = build_tree(self.model.tree_builder, context, rows, budget, path)
             else:
                 tree = Tree.root_only(root)
@@ -522,19 +518,50 @@ class _Run:
         if kept is not None:
             kept.tokens = (self.prompt + self.generated)[: cache.length]
             kept.cache, kept.head_cache, kept.reused = cache, head_cache, begin
+        yield self.result(start)
+
+    def result(self, start: float) -> GenerationResult:
+        """The generation's result, ``start`` (on :meth:`_clock`) being when it began."""
         text = self._text()
-        elapsed = self._clock() - start
-        yield GenerationResult(
+        return GenerationResult(
             text=text,
             tokens=list(self.generated),
-            prompt_tokens=prompt_len,
+            prompt_tokens=len(self.prompt),
             accept_lengths=list(self.accept_lengths),
             timings=dict(self.timings),
-            elapsed=elapsed,
+            elapsed=self._clock() - start,
             finish_reason=self.finish or "length",
             mode=self.mode,
             tree_sizes=list(self.tree_sizes),
         )
+
+    def tree_budget_now(self) -> int:
+        """Draft nodes this step's tree may have: the room left for new tokens, less the
+        bonus token's, capped by the tree budget."""
+        room = min(
+            self.max_length - len(self.prompt) - len(self.generated),
+            self.max_new - len(self.generated),
+        )
+        budget = room - 1  # leaves room for the bonus token
+        if self.tree_budget is not None:
+            budget = min(budget, self.tree_budget)
+        return budget
+
+    def pruner_inputs(self, budget: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The pruner's context (the last tokens) and the prompt-lookup path (if any)."""
+        context = np.asarray(
+            self.generated[-PRUNER_CONTEXT:]
+            if len(self.generated) >= PRUNER_CONTEXT
+            else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
+            dtype=np.int64,
+        )
+        path = None
+        index = self.lookup_index
+        if index is not None:
+            assert self.lookup is not None
+            index.extend(self.generated[len(index) - len(self.prompt) :])
+            path = self.lookup.path(index, budget)
+        return context, path
 
     def _lap(self, since: float, stage: str, step: dict[str, float]) -> float:
         """Book the time from ``since`` to now to ``step[stage]``; returns now (the next

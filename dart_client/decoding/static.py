@@ -193,8 +193,8 @@ class StaticVerifier:
             if cache is None:
                 continue
             length = cache.length
-            for buffer in cache.buffers():
-                dim = buffer.dim() - 2
+            for buffer, batch_axis in cache.buffers():
+                dim = batch_axis + 2  # the sequence axis
                 buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
 
     @property
@@ -402,8 +402,8 @@ class StaticVerifier:
         # Compaction: accepted node i moves from length + i to length + depth(i).
         source = nodes + length
         target = torch.where(accepted, depths + length, self.trash)
-        for buffer in self.cache.buffers():
-            dim = buffer.dim() - 2
+        for buffer, batch_axis in self.cache.buffers():
+            dim = batch_axis + 2  # the sequence axis
             buffer.index_copy_(dim, target, buffer.index_select(dim, source))
         parts = [count, bonus, path]
         if self.head is not None:

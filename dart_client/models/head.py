@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_client.errors import CheckpointError, IncompatibleHeadError
 from dart_client.models.linear import derived_weight, project
+from dart_client.models.target import RaggedRows, compact_rows, copy_row
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -365,30 +366,35 @@ class HeadCache:
     """The head's KV cache: preallocated, holding real positions only.
 
     ``append`` writes new keys/values in place and returns views over everything cached so
-    far; ``truncate`` drops the tail (the mask slots after a forward).
+    far; ``truncate`` drops the tail (the mask slots after a forward). A batched cache
+    (``batch`` > 1) keeps one sequence per row as the target's does
+    (:class:`~dart_client.models.target.TargetCache`): rows of their own lengths
+    (:attr:`rows`), appends at the longest one's, :meth:`keep_rows` after each forward.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, batch: int = 1) -> None:
         self.capacity = capacity
+        self.batch = batch
         self.length = 0
+        self.rows = RaggedRows()
+        #: Live rows of a batched cache (its first ones); None: every batch entry.
+        self._live: int | None = None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         #: Static mode (``dart_client.decoding.static``): the positions, a device tensor,
         #: that the next keys are written to; attention then reads the whole buffer.
         self.slots: torch.Tensor | None = None
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The K and V buffers (full capacity; none before the first append)."""
-        return [b for b in (self._k, self._v) if b is not None]
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The K and V buffers (full capacity; none before the first append) with their
+        batch axis, as :meth:`TargetCache.buffers` gives them."""
+        return [(b, 0) for b in (self._k, self._v) if b is not None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[2]
         if self._k is None or self._v is None:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            # Zeroed: the static draft attends over the whole buffer under a mask, and a
-            # masked key weighs exactly 0 only next to finite values.
-            self._k = k.new_zeros(shape)
-            self._v = v.new_zeros(shape)
+            self._allocate(k, v, k.shape[0])
+        assert self._k is not None and self._v is not None
         if self.slots is not None:
             # Static mode: no host-side length (the caller sets it once it is known).
             self._k.index_copy_(2, self.slots, k)
@@ -399,15 +405,57 @@ class HeadCache:
             raise RuntimeError(
                 f"draft head cache overflow: {end} positions for a capacity of {self.capacity}"
             )
-        self._k[:, :, self.length : end] = k
-        self._v[:, :, self.length : end] = v
+        live = self._live
+        self._k[:live, :, self.length : end] = k
+        self._v[:live, :, self.length : end] = v
         self.length = end
-        return self._k[:, :, :end], self._v[:, :, :end]
+        return self._k[:live, :, :end], self._v[:live, :, :end]
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+        # Zeroed: a batched row's stale tail and the static draft's unused positions are
+        # masked, and a masked zero adds nothing (a masked NaN would).
+        self._k = k.new_zeros((batch, k.shape[1], self.capacity, k.shape[3]))
+        self._v = v.new_zeros((batch, v.shape[1], self.capacity, v.shape[3]))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise RuntimeError(f"cannot truncate a head cache of {self.length} to {length}")
         self.length = length
+
+    def _set_rows(self) -> None:
+        self._live = len(self.rows)
+        self.length = self.rows.frontier
+
+    def put_row(self, row: int, source: HeadCache) -> None:
+        """Copy ``source`` (one sequence) into ``row``: a live row or the next free one."""
+        if not 0 <= row <= len(self.rows) or row >= self.batch:
+            raise ValueError(f"row {row} of a head cache of {len(self.rows)} live rows")
+        n = source.length
+        if source._k is not None and source._v is not None:
+            if self._k is None:
+                self._allocate(source._k, source._v, self.batch)
+            assert self._k is not None and self._v is not None
+            self._k[row, :, :n] = source._k[0, :, :n]
+            self._v[row, :, :n] = source._v[0, :, :n]
+        self.rows.put(row, n)
+        self._set_rows()
+
+    def drop_row(self, row: int) -> None:
+        """Free ``row``: the last live row moves into it."""
+        last = self.rows.drop(row)
+        if last is not None and self._k is not None and self._v is not None:
+            for buffer in (self._k, self._v):
+                copy_row(buffer, 0, row, last, self.rows.lengths[row])
+        self._set_rows()
+
+    def keep_rows(self, start: int, keeps: Sequence[Sequence[int]], device: torch.device) -> None:
+        """After a forward appended at ``start``: keep row b's positions ``keeps[b]``
+        (relative to ``start``) at its own length, drop the rest."""
+        plan = self.rows.compaction(start, keeps, device)
+        if plan is not None and self._k is not None and self._v is not None:
+            for buffer in (self._k, self._v):
+                compact_rows(buffer, 0, plan)
+        self._set_rows()
 
 
 class DartHead(nn.Module):
@@ -630,8 +678,8 @@ class DartHead(nn.Module):
             self._draft_to_target = cached
         return cached[1], cached[2]
 
-    def new_cache(self, capacity: int) -> HeadCache:
-        return HeadCache(capacity)
+    def new_cache(self, capacity: int, batch: int = 1) -> HeadCache:
+        return HeadCache(capacity, batch)
 
     def rope(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin (1, n, head_dim) of positions ``start .. start + n - 1``, in
@@ -655,6 +703,16 @@ class DartHead(nn.Module):
             self.__dict__["_rope_table"] = table
         return table[0][:, start:end], table[1][:, start:end]
 
+    def rope_at(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin (b, n, head_dim) of explicit ``positions`` (b, n): one row per
+        sequence of a batch."""
+        if "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope":
+            return self.rotary(like, positions)
+        cos, sin = self.rope(0, int(positions.max()) + 1, like)
+        return cos[0][positions], sin[0][positions]
+
     # -- forward ------------------------------------------------------------------------------
 
     def forward(
@@ -663,6 +721,9 @@ class DartHead(nn.Module):
         next_ids: torch.Tensor,
         cache: HeadCache | None = None,
         num_masks: int | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft logits ``(batch, num_masks + 1, draft_vocab)``.
 
@@ -670,6 +731,11 @@ class DartHead(nn.Module):
         ``next_ids`` (batch, r): the token that follows each of them (the last one is the token
         just sampled). Positions continue the cache; afterwards the cache holds the r real
         positions and none of the mask slots.
+
+        A batch of sequences of their own lengths (a batched cache) passes ``positions``
+        (batch, r + m) and the float ``mask`` (batch, 1, r + m, cache + r + m) of every row
+        (:func:`dart_client.decoding.draft.draft_rows_batch`); the cache then keeps all
+        r + m new entries, for the caller's :meth:`HeadCache.keep_rows`.
         """
         if self._embed is None:
             raise RuntimeError("bind_embedding(target embedding) before running the head")
@@ -678,16 +744,20 @@ class DartHead(nn.Module):
         past = cache.length if cache is not None else 0
         projected = self.project_taps(taps)
         n = r + m
-        cos_sin = self.rope(past, n, projected)
-        mask: torch.Tensor | None = None  # nothing cached: plain causal attention
-        if past:
+        if positions is not None:
+            cos_sin = self.rope_at(positions, projected)
+        else:
+            cos_sin = self.rope(past, n, projected)
+        if mask is not None:
+            mask = mask.to(projected.dtype)
+        elif past:
             # A draft step (few new rows over a long cache): query heads of a K/V group as
             # extra rows; a long block (rare) keeps one mask row per position.
             cfg = self.config
             groups = cfg.num_attention_heads // cfg.num_key_value_heads if n <= 64 else 1
             mask = causal_mask(n, past, projected.dtype, taps.device, groups)
         logits = self.draft_logits(projected, next_ids, cache, cos_sin, mask, m)
-        if cache is not None:
+        if cache is not None and positions is None:
             cache.truncate(past + r)
         return logits
 
