@@ -51,8 +51,11 @@ def test_buckets_and_capacity() -> None:
         bucket_sizes(0)
     capacity = static_capacity(300, 61)
     assert capacity % 256 == 0 and capacity >= 300 + 64 + 1
-    assert resolve_static("auto", torch.device("cpu")) is False
-    assert resolve_static("auto", torch.device("cuda")) is True
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert resolve_static("auto", {cpu}) is False
+    assert resolve_static("auto", {gpu0}) is True
+    assert resolve_static("auto", {gpu0, gpu1}) is False  # a target split over GPUs
+    assert resolve_static(True, {cpu}) is True and resolve_static(False, {gpu0}) is False
     assert GenerationConfig(static="off").static is False
     assert GenerationConfig(static="ON").static is True
     with pytest.raises(InvalidArgumentError, match="static"):
@@ -299,3 +302,14 @@ def test_cuda_graphs_replay_the_eager_program(tiny: Any) -> None:
         oracle = OracleTree(want, seed=i)
         dm = DartModel(model, head, tree_builder=oracle)
         assert run_oracle(dm, oracle, input_ids=ids, max_new_tokens=20, static=True).tokens == want
+
+
+def test_a_target_split_over_devices_is_refused_clearly(tiny: Any) -> None:
+    """static=True on a target whose layers sit on several devices: a clear error, not a
+    device mismatch deep in a kernel (``"auto"`` never chooses it there)."""
+    model, _ = tiny
+    target = TargetModel(model)
+    two = {torch.device("cuda", 0), torch.device("cuda", 1)}
+    target.layer_devices = lambda: two  # type: ignore[method-assign]
+    with pytest.raises(InvalidArgumentError, match="on one device"):
+        StaticVerifier(target, target.new_cache(256), 8, graphs=False)

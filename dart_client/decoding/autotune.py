@@ -427,7 +427,7 @@ def _prefilled(
         dtype=torch.long,
         device=target.device,
     )
-    static = resolve_static("auto", target.device)
+    static = resolve_static("auto", target.layer_devices())
     cache = target.new_cache(static_capacity(n + 1, max_tree) if static else n + 1 + max_tree)
     target.forward(ids, torch.arange(n, device=target.device).unsqueeze(0), cache, taps=False)
     return cache, n
@@ -462,7 +462,7 @@ def _verify_costs(
     # Where generation takes the static path (cuda), time what a step runs there: the
     # padded forward, acceptance and compaction of the tree's bucket (a graph replay).
     static = None
-    if resolve_static("auto", target.device):
+    if resolve_static("auto", target.layer_devices()):
         graphs = target.device.type == "cuda"
         static = StaticVerifier(target, cache, max_tree, graphs=graphs)
 

@@ -145,6 +145,13 @@ class StaticVerifier:
         device = target.device
         if graphs and device.type != "cuda":
             raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        devices = target.layer_devices()
+        if len(devices) != 1:
+            where = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"the static path needs the target on one device, not on {where} "
+                "(pass static=False)"
+            )
         self.target = target
         self.cache = cache
         self.device = device
@@ -526,11 +533,12 @@ def verifier_for(
 STATIC_CHOICES: tuple[Any, ...] = (True, False, "auto")
 
 
-def resolve_static(value: bool | str, device: torch.device) -> bool:
-    """``"auto"``: the static path on cuda (its own device), the dynamic one elsewhere (on
-    the CPU attending over the whole capacity costs more than it saves)."""
+def resolve_static(value: bool | str, devices: set[torch.device]) -> bool:
+    """Whether a target whose weights are on ``devices`` takes the static path. ``"auto"``:
+    on one cuda device (on the CPU attending over the whole capacity costs more than it
+    saves; a target split over devices has no single place for the cache and the graphs)."""
     if value == "auto":
-        return device.type == "cuda"
+        return len(devices) == 1 and next(iter(devices)).type == "cuda"
     return bool(value)
 
 

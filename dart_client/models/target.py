@@ -573,10 +573,10 @@ class TargetModel:
     def new_cache(self, capacity: int, batch: int = 1) -> TargetCache:
         """A cache of ``capacity`` positions; ``batch`` > 1: a batched one (rows filled by
         :meth:`TargetCache.put_row`)."""
-        stacked = len(self._layer_devices()) == 1
+        stacked = len(self.layer_devices()) == 1
         return TargetCache(self.num_layers, capacity, stacked=stacked, batch=batch)
 
-    def _layer_devices(self) -> set[torch.device]:
+    def layer_devices(self) -> set[torch.device]:
         """The devices the decoder layers' weights are on (several under a device map)."""
         return {p.device for layer in self.layers for p in layer.parameters(recurse=True)}
 
