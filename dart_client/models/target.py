@@ -53,6 +53,10 @@ class PreallocatedLayer(DynamicLayer):
         self.storage = storage
         #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
         self.rows: int | None = None
+        #: Static mode (:meth:`TargetCache.set_slots`): the cache positions, a device tensor,
+        #: that the next keys are written to; attention then reads the whole buffer (every
+        #: forward has the same shapes, as a CUDA graph needs) and a mask hides the rest.
+        self.slots: torch.Tensor | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -90,6 +94,11 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self._k is not None and self._v is not None
+        if self.slots is not None:
+            # No host-side length: the caller moves it once it knows what was accepted.
+            self._k.index_copy_(2, self.slots, key_states)
+            self._v.index_copy_(2, self.slots, value_states)
+            return self._k, self._v
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(
@@ -239,6 +248,8 @@ class TargetCache(Cache):
         self.batch = batch
         #: The valid length of each live row of a batched cache.
         self.rows = RaggedRows()
+        #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
+        self.static_verifiers: dict[Any, Any] = {}
 
     def _layers(self) -> list[PreallocatedLayer]:
         layers = [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]
@@ -297,6 +308,24 @@ class TargetCache(Cache):
             for buffer, axis in self._buffers():
                 compact_rows(buffer, axis, plan)
         self._set_rows()
+
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
+        read at each forward, so a captured graph follows its contents) and attends over
+        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
+        length."""
+        for layer in self._layers():
+            layer.slots = slots
+
+    @property
+    def static_slots(self) -> torch.Tensor | None:
+        first = self.layers[0]
+        assert isinstance(first, PreallocatedLayer)
+        return first.slots
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every K and V buffer (full capacity): the stacked block once, or each layer's."""
+        return [buffer for buffer, _ in self._buffers()]
 
     @property
     def length(self) -> int:
@@ -582,13 +611,32 @@ class TargetModel:
         past = cache.length
         rows = cache.rows if len(cache.rows) else None
         mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device, rows)
+        sync = input_ids.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        start = self.clock()
+        logits, tapped = self.run(input_ids, position_ids, mask, cache, logits_to_keep, taps)
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        self.last_forward_seconds = self.clock() - start
+        return logits, tapped
+
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: TargetCache,
+        logits_to_keep: int = 0,
+        taps: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward with a ready 4D float ``mask`` (:func:`attention_mask`, or
+        the static path's): no host synchronisation and no timing, so a CUDA graph can
+        capture it."""
         self._taps.clear()
         self._capture = taps
-        sync = input_ids.device.type == "cuda"
         try:
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            start = self.clock()
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -597,9 +645,6 @@ class TargetModel:
                 **{self._cache_keyword: cache},
                 logits_to_keep=logits_to_keep,
             )
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            self.last_forward_seconds = self.clock() - start
         finally:
             self._capture = False
         tapped = None
