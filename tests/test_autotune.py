@@ -182,34 +182,6 @@ def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> Non
             parse_tree_budget(bad)
 
 
-def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
-    target: Any, head: DartHead
-) -> None:
-    base = DartModel(target)
-    ps = prompts(3, seed=9)
-    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
-    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths), tree_budget="auto")
-    tuning = autotune(
-        dm, prompts=ps, budgets=(2, 13), continuation_tokens=24, context_tokens=32, repeats=2,
-        batch=3,
-    )  # fmt: skip
-    assert tuning.batch == 3 and "of 3 rows" in tuning.table()
-    for p in tuning.curve:
-        # Every row's tokens count; the speedup is over fused AR of the same rows.
-        assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
-        assert p.speedup == pytest.approx(p.tokens_per_s * tuning.ar_forward_ms / 3e3)
-    assert tuning.point(13).tau > 1.5
-    got = dm.generate_batch(ps, max_new_tokens=20)
-    assert set(dm.batch_tree_tunings) == {3} and dm.tree_tuning is None
-    best = dm.batch_tree_tunings[3].best_budget
-    assert all(max(r.tree_sizes[1:]) <= best + 1 for r in got)
-    assert [r.tokens for r in got] == [
-        t[len(p) : len(p) + 20] for p, t in zip(ps, truths, strict=True)
-    ]
-    with pytest.raises(InvalidArgumentError, match="batch must be"):
-        autotune(dm, batch=0)
-
-
 def test_verify_costs_warm_every_shape_before_timing(
     target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -255,3 +227,31 @@ def test_the_tuning_clock_synchronises_on_cuda(monkeypatch: pytest.MonkeyPatch) 
     assert calls == [torch.device("cuda")]
     _Clock(torch.device("cpu"))()
     assert len(calls) == 1
+
+
+def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
+    target: Any, head: DartHead
+) -> None:
+    base = DartModel(target)
+    ps = prompts(3, seed=9)
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
+    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths), tree_budget="auto")
+    tuning = autotune(
+        dm, prompts=ps, budgets=(2, 13), continuation_tokens=24, context_tokens=32, repeats=2,
+        batch=3,
+    )  # fmt: skip
+    assert tuning.batch == 3 and "of 3 rows" in tuning.table()
+    for p in tuning.curve:
+        # Every row's tokens count; the speedup is over fused AR of the same rows.
+        assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
+        assert p.speedup == pytest.approx(p.tokens_per_s * tuning.ar_forward_ms / 3e3)
+    assert tuning.point(13).tau > 1.5
+    got = dm.generate_batch(ps, max_new_tokens=20)
+    assert set(dm.batch_tree_tunings) == {3} and dm.tree_tuning is None
+    best = dm.batch_tree_tunings[3].best_budget
+    assert all(max(r.tree_sizes[1:]) <= best + 1 for r in got)
+    assert [r.tokens for r in got] == [
+        t[len(p) : len(p) + 20] for p, t in zip(ps, truths, strict=True)
+    ]
+    with pytest.raises(InvalidArgumentError, match="batch must be"):
+        autotune(dm, batch=0)

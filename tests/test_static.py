@@ -51,8 +51,11 @@ def test_buckets_and_capacity() -> None:
         bucket_sizes(0)
     capacity = static_capacity(300, 61)
     assert capacity % 256 == 0 and capacity >= 300 + 64 + 1
-    assert resolve_static("auto", torch.device("cpu")) is False
-    assert resolve_static("auto", torch.device("cuda")) is True
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert resolve_static("auto", {cpu}) is False
+    assert resolve_static("auto", {gpu0}) is True
+    assert resolve_static("auto", {gpu0, gpu1}) is False  # a target split over GPUs
+    assert resolve_static(True, {cpu}) is True and resolve_static(False, {gpu0}) is False
     assert GenerationConfig(static="off").static is False
     assert GenerationConfig(static="ON").static is True
     with pytest.raises(InvalidArgumentError, match="static"):
@@ -120,7 +123,7 @@ def test_device_acceptance_and_compaction_match_the_host(tiny: Any) -> None:
         dyn = prefilled(target, prompt, 256)
         logits, _ = verify_tree(target, dyn, tree)
         want = accept_greedy(tree, logits)
-        dyn.keep(len(prompt), want.nodes, dyn.buffers()[0].device)
+        dyn.keep(len(prompt), want.nodes, target.device)
         cache = prefilled(target, prompt, 256)
         static = StaticVerifier(target, cache, len(tree), graphs=False, buckets=(32,))
         step = static.greedy_step(tree)
@@ -129,9 +132,8 @@ def test_device_acceptance_and_compaction_match_the_host(tiny: Any) -> None:
         assert step.acceptance.new_tokens == truth[1 : 1 + len(want.nodes)]
         assert cache.length == dyn.length == len(prompt) + len(want.nodes)
         n = cache.length
-        for got, exp in zip(cache.buffers(), dyn.buffers(), strict=True):
-            dim = got.dim() - 2
-            torch.testing.assert_close(got.narrow(dim, 0, n), exp.narrow(dim, 0, n))
+        for (got, axis), (exp, _) in zip(cache.buffers(), dyn.buffers(), strict=True):
+            torch.testing.assert_close(got.narrow(axis + 2, 0, n), exp.narrow(axis + 2, 0, n))
         assert step.taps.shape[1] == len(want.nodes)
 
 
@@ -300,3 +302,14 @@ def test_cuda_graphs_replay_the_eager_program(tiny: Any) -> None:
         oracle = OracleTree(want, seed=i)
         dm = DartModel(model, head, tree_builder=oracle)
         assert run_oracle(dm, oracle, input_ids=ids, max_new_tokens=20, static=True).tokens == want
+
+
+def test_a_target_split_over_devices_is_refused_clearly(tiny: Any) -> None:
+    """static=True on a target whose layers sit on several devices: a clear error, not a
+    device mismatch deep in a kernel (``"auto"`` never chooses it there)."""
+    model, _ = tiny
+    target = TargetModel(model)
+    two = {torch.device("cuda", 0), torch.device("cuda", 1)}
+    target.layer_devices = lambda: two  # type: ignore[method-assign]
+    with pytest.raises(InvalidArgumentError, match="on one device"):
+        StaticVerifier(target, target.new_cache(256), 8, graphs=False)

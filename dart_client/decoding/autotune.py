@@ -427,7 +427,7 @@ def _prefilled(
         dtype=torch.long,
         device=target.device,
     )
-    static = resolve_static("auto", target.device)
+    static = resolve_static("auto", target.layer_devices())
     cache = target.new_cache(static_capacity(n + 1, max_tree) if static else n + 1 + max_tree)
     target.forward(ids, torch.arange(n, device=target.device).unsqueeze(0), cache, taps=False)
     return cache, n
@@ -462,7 +462,7 @@ def _verify_costs(
     # Where generation takes the static path (cuda), time what a step runs there: the
     # padded forward, acceptance and compaction of the tree's bucket (a graph replay).
     static = None
-    if resolve_static("auto", target.device):
+    if resolve_static("auto", target.layer_devices()):
         graphs = target.device.type == "cuda"
         static = StaticVerifier(target, cache, max_tree, graphs=graphs)
 
@@ -541,7 +541,7 @@ def _batch_costs(
         return lambda: verify_trees(target, cache, trees[b])
 
     runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    for run in (runs[-1], runs[budgets[-1]]):  # warm-up
+    for run in runs.values():  # every shape once before any is timed, as _verify_costs
         run()
         cache.truncate(n)
     samples: dict[int, list[float]] = {b: [] for b in runs}

@@ -280,7 +280,7 @@ def new_run(
         config.seed,
         lookup if mode == "dart" else None,
         prefix_cache,
-        resolve_static(config.static, model.target.device),
+        resolve_static(config.static, model.target.layer_devices()),
     )
 
 

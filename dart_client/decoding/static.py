@@ -145,6 +145,13 @@ class StaticVerifier:
         device = target.device
         if graphs and device.type != "cuda":
             raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        devices = target.layer_devices()
+        if len(devices) != 1:
+            where = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"the static path needs the target on one device, not on {where} "
+                "(pass static=False)"
+            )
         self.target = target
         self.cache = cache
         self.device = device
@@ -193,8 +200,8 @@ class StaticVerifier:
             if cache is None:
                 continue
             length = cache.length
-            for buffer in cache.buffers():
-                dim = buffer.dim() - 2
+            for buffer, batch_axis in cache.buffers():
+                dim = batch_axis + 2  # the sequence axis
                 buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
 
     @property
@@ -402,8 +409,8 @@ class StaticVerifier:
         # Compaction: accepted node i moves from length + i to length + depth(i).
         source = nodes + length
         target = torch.where(accepted, depths + length, self.trash)
-        for buffer in self.cache.buffers():
-            dim = buffer.dim() - 2
+        for buffer, batch_axis in self.cache.buffers():
+            dim = batch_axis + 2  # the sequence axis
             buffer.index_copy_(dim, target, buffer.index_select(dim, source))
         parts = [count, bonus, path]
         if self.head is not None:
@@ -526,11 +533,12 @@ def verifier_for(
 STATIC_CHOICES: tuple[Any, ...] = (True, False, "auto")
 
 
-def resolve_static(value: bool | str, device: torch.device) -> bool:
-    """``"auto"``: the static path on cuda (its own device), the dynamic one elsewhere (on
-    the CPU attending over the whole capacity costs more than it saves)."""
+def resolve_static(value: bool | str, devices: set[torch.device]) -> bool:
+    """Whether a target whose weights are on ``devices`` takes the static path. ``"auto"``:
+    on one cuda device (on the CPU attending over the whole capacity costs more than it
+    saves; a target split over devices has no single place for the cache and the graphs)."""
     if value == "auto":
-        return device.type == "cuda"
+        return len(devices) == 1 and next(iter(devices)).type == "cuda"
     return bool(value)
 
 

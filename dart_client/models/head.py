@@ -385,9 +385,10 @@ class HeadCache:
         #: that the next keys are written to; attention then reads the whole buffer.
         self.slots: torch.Tensor | None = None
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The K and V buffers (full capacity; none before the first append)."""
-        return [b for b in (self._k, self._v) if b is not None]
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The K and V buffers (full capacity; none before the first append) with their
+        batch axis, as :meth:`TargetCache.buffers` gives them."""
+        return [(b, 0) for b in (self._k, self._v) if b is not None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[2]
@@ -411,8 +412,8 @@ class HeadCache:
         return self._k[:live, :, :end], self._v[:live, :, :end]
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
-        # Zeroed: a batched row's stale tail and the static draft's unused slots are masked,
-        # and a masked key weighs exactly 0 only next to finite values.
+        # Zeroed: a batched row's stale tail and the static draft's unused positions are
+        # masked, and a masked zero adds nothing (a masked NaN would).
         self._k = k.new_zeros((batch, k.shape[1], self.capacity, k.shape[3]))
         self._v = v.new_zeros((batch, v.shape[1], self.capacity, v.shape[3]))
 

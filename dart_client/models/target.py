@@ -51,12 +51,12 @@ class PreallocatedLayer(DynamicLayer):
         #: Where the buffers come from: one block for every layer of a cache (so that
         #: compaction is one copy, not two per layer), or None for a buffer of its own.
         self.storage = storage
-        #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
-        self.rows: int | None = None
         #: Static mode (:meth:`TargetCache.set_slots`): the cache positions, a device tensor,
         #: that the next keys are written to; attention then reads the whole buffer (every
         #: forward has the same shapes, as a CUDA graph needs) and a mask hides the rest.
         self.slots: torch.Tensor | None = None
+        #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
+        self.rows: int | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -251,12 +251,20 @@ class TargetCache(Cache):
         #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
         self.static_verifiers: dict[Any, Any] = {}
 
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
+        read at each forward, so a captured graph follows its contents) and attends over
+        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
+        length."""
+        for layer in self._layers():
+            layer.slots = slots
+
     def _layers(self) -> list[PreallocatedLayer]:
         layers = [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]
         assert len(layers) == len(self.layers)
         return layers
 
-    def _buffers(self) -> list[tuple[torch.Tensor, int]]:
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
         """Every K/V buffer with its batch axis (the sequence axis is two further): the
         stacked block once, else each layer's two buffers."""
         storage = self.storage
@@ -296,7 +304,7 @@ class TargetCache(Cache):
         """Free ``row``: the last live row moves into it (live rows stay the first ones)."""
         last = self.rows.drop(row)
         if last is not None:
-            for buffer, axis in self._buffers():
+            for buffer, axis in self.buffers():
                 copy_row(buffer, axis, row, last, self.rows.lengths[row])
         self._set_rows()
 
@@ -305,27 +313,9 @@ class TargetCache(Cache):
         row b's nodes ``nodes[b]`` (relative to ``start``, ascending) at its own length."""
         plan = self.rows.compaction(start, nodes, device)
         if plan is not None:
-            for buffer, axis in self._buffers():
+            for buffer, axis in self.buffers():
                 compact_rows(buffer, axis, plan)
         self._set_rows()
-
-    def set_slots(self, slots: torch.Tensor | None) -> None:
-        """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
-        read at each forward, so a captured graph follows its contents) and attends over
-        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
-        length."""
-        for layer in self._layers():
-            layer.slots = slots
-
-    @property
-    def static_slots(self) -> torch.Tensor | None:
-        first = self.layers[0]
-        assert isinstance(first, PreallocatedLayer)
-        return first.slots
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every K and V buffer (full capacity): the stacked block once, or each layer's."""
-        return [buffer for buffer, _ in self._buffers()]
 
     @property
     def length(self) -> int:
@@ -583,10 +573,10 @@ class TargetModel:
     def new_cache(self, capacity: int, batch: int = 1) -> TargetCache:
         """A cache of ``capacity`` positions; ``batch`` > 1: a batched one (rows filled by
         :meth:`TargetCache.put_row`)."""
-        stacked = len(self._layer_devices()) == 1
+        stacked = len(self.layer_devices()) == 1
         return TargetCache(self.num_layers, capacity, stacked=stacked, batch=batch)
 
-    def _layer_devices(self) -> set[torch.device]:
+    def layer_devices(self) -> set[torch.device]:
         """The devices the decoder layers' weights are on (several under a device map)."""
         return {p.device for layer in self.layers for p in layer.parameters(recurse=True)}
 
