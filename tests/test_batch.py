@@ -145,6 +145,9 @@ def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
     assert max(live_counts) == 2 and live_counts[-1] == 0
     assert len(results) == len(prompts)
     assert not batch.cancel(0)  # finished: nothing to cancel
+    # No autograd history kept in the caches (it chained every request to the next: a leak).
+    assert batch.head_cache is not None and batch.head_cache._k is not None
+    assert not batch.head_cache._k.requires_grad
     for request, result in results.items():
         i = ids[request]
         assert result.tokens == truths[i][len(prompts[i]) :], f"request {i}"
