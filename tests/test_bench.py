@@ -279,6 +279,7 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
             "--max-new-tokens", "10",
             "--repetitions", "2",
             "--batch-tree-budget", "auto",
+            "--clock", "thread",
             "--output", str(out),
         ]
     )  # fmt: skip
@@ -291,4 +292,4 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
     assert summary["identical_to_alone"] == {"ar-x2": "4/4", "dart-x2": "4/4"}
     tuning = summary["batch_budget_tuning"]
     assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
-    assert summary["dart-x2 over dart-x1"] > 0
+    assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"

@@ -174,6 +174,7 @@ class BatchGenerator:
 
     # -- decoding ---------------------------------------------------------------------------
 
+    @torch.no_grad()
     def _admit(self) -> list[tuple[int, StreamEvent]]:
         """Prefill waiting requests into free rows, each alone (its cache is a lone
         generation's), and emit their first tokens."""
