@@ -181,6 +181,9 @@ def test_all_rows_ending_together_and_a_bad_prompt(target: Any, head: DartHead) 
     got = dm.generate_batch(prompts, mode="ar", max_new_tokens=5)
     assert all(len(r.tokens) <= 5 for r in got)
     assert [r.tokens for r in got] == [alone(dm, p, "ar", max_new_tokens=5) for p in prompts]
+    # Two rows at a time: the others join as rows free up.
+    two = dm.generate_batch(prompts, mode="ar", max_new_tokens=5, max_batch=2)
+    assert [r.tokens for r in two] == [r.tokens for r in got]
     with pytest.raises(ContextTooLongError, match="prompt 1"):
         dm.generate_batch([[5, 6], list(range(3, 300))], max_new_tokens=4, max_length=100)
 

@@ -280,6 +280,7 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
             "--repetitions", "2",
             "--batch-tree-budget", "auto",
             "--clock", "thread",
+            "--continuous",
             "--output", str(out),
         ]
     )  # fmt: skip
@@ -293,3 +294,4 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
     tuning = summary["batch_budget_tuning"]
     assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
     assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"
+    assert summary["continuous"] and len(json.loads(out.read_text())["groups"]) == 1

@@ -183,7 +183,7 @@ def autotune(
         raise InvalidArgumentError(f"batch must be an int >= 1, got {batch!r}")
     start = time.perf_counter()
     encoded = _calibration_ids(model, prompts, seed)
-    clock = _Clock(model.target.device)
+    clock = _Clock(model.target.device, model.target.clock)
 
     steps: dict[int, list[int]] = {b: [] for b in clean}
     draft_times: list[float] = []
@@ -266,14 +266,18 @@ def auto_budget(model: DartModel, batch: int = 1, **kwargs: Any) -> int:
 
 
 class _Clock:
-    def __init__(self, device: torch.device) -> None:
+    """Seconds on ``read`` (the target's clock: wall time unless a profile on a shared
+    machine chose its thread's CPU time), after the device's queued work."""
+
+    def __init__(self, device: torch.device, read: Any = time.perf_counter) -> None:
         self.sync = device.type == "cuda"
         self.device = device
+        self.read = read
 
     def __call__(self) -> float:
         if self.sync:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return float(self.read())
 
 
 def _check_budget(b: Any) -> int:
