@@ -325,15 +325,18 @@ class DartModel:
         config: GenerationConfig | Mapping[str, Any] | None = None,
         *,
         mode: str = "dart",
+        max_batch: int | None = None,
         **overrides: Any,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids) at once, fused: per step one head
         forward, one pruner call and one target forward for the whole batch
         (:mod:`dart_client.decoding.batch`). Each result equals what :meth:`generate` gives
-        that prompt alone (greedy: the same tokens; sampling: the same distribution). For
-        requests that come and go, use :meth:`batch_generator`."""
-        config = self._resolved(config_from(config, overrides), mode, max(1, len(prompts)))
-        return generate_batch(self, prompts, config, mode=mode)
+        that prompt alone (greedy: the same tokens; sampling: the same distribution). At
+        most ``max_batch`` (default: all) run at once, the others joining as rows free up.
+        For requests that come and go, use :meth:`batch_generator`."""
+        rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+        config = self._resolved(config_from(config, overrides), mode, max(1, rows))
+        return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
 
     def batch_generator(
         self, *, mode: str = "dart", max_batch: int = 8, max_length: int = 2048

@@ -318,6 +318,8 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
             "--max-new-tokens", "10",
             "--repetitions", "2",
             "--batch-tree-budget", "auto",
+            "--clock", "thread",
+            "--continuous",
             "--output", str(out),
         ]
     )  # fmt: skip
@@ -330,4 +332,5 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
     assert summary["identical_to_alone"] == {"ar-x2": "4/4", "dart-x2": "4/4"}
     tuning = summary["batch_budget_tuning"]
     assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
-    assert summary["dart-x2 over dart-x1"] > 0
+    assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"
+    assert summary["continuous"] and len(json.loads(out.read_text())["groups"]) == 1

@@ -284,6 +284,37 @@ def test_the_shipped_eagle3_head_end_to_end(smollm2_bf16: Any) -> None:
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_the_static_path_on_the_embedded_default(smollm2_bf16: Any, sharegpt_ngram: Any) -> None:
+    """The static path (the default on cuda) on the embedded default, run eagerly here: the
+    shipped head's drafts from the padded in-program draft keep its acceptance, and every
+    output equals AR's (dynamic path) up to near-ties of the target's logits."""
+    from dart_client.embedded import shipped_head
+
+    model, tok = smollm2_bf16
+    dm = DartModel(
+        model, DartHead.from_pretrained(shipped_head()), tokenizer=tok, ngram=sharegpt_ngram
+    )
+    steps, accepted, matched = 0, 0, 0
+    try:
+        for text in PROMPTS[:3]:
+            ids = tok(
+                dm.template.format(messages=[{"role": "user", "content": text}]),
+                add_special_tokens=False,
+            )["input_ids"]
+            got = dart_generate(dm, input_ids=ids, max_new_tokens=32, static=True)
+            ar = ar_generate(dm, input_ids=ids, max_new_tokens=32, static=False)
+            matched += (
+                check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
+            )
+            steps += got.steps
+            accepted += sum(got.accept_lengths[1:])
+    finally:
+        dm.target.close()
+    print(f"\nstatic path: tau {accepted / steps:.2f} over {steps} steps; {matched}/3 == AR")
+    assert accepted / steps >= SHIPPED_TAU_FLOOR
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_batched_dart_and_ar_equal_each_prompt_alone(
     smollm2_bf16: Any, sharegpt_ngram: Any
 ) -> None:

@@ -36,6 +36,7 @@ from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows, draft_rows_batch
 from dart_client.decoding.loop import PRUNER_CONTEXT, generate
 from dart_client.decoding.prune import build_tree
+from dart_client.decoding.static import StaticVerifier, resolve_static, static_capacity
 from dart_client.decoding.verify import Tree, verify_tree, verify_trees
 from dart_client.errors import InvalidArgumentError
 
@@ -182,7 +183,7 @@ def autotune(
         raise InvalidArgumentError(f"batch must be an int >= 1, got {batch!r}")
     start = time.perf_counter()
     encoded = _calibration_ids(model, prompts, seed)
-    clock = _Clock(model.target.device)
+    clock = _Clock(model.target.device, model.target.clock)
 
     steps: dict[int, list[int]] = {b: [] for b in clean}
     draft_times: list[float] = []
@@ -265,14 +266,18 @@ def auto_budget(model: DartModel, batch: int = 1, **kwargs: Any) -> int:
 
 
 class _Clock:
-    def __init__(self, device: torch.device) -> None:
+    """Seconds on ``read`` (the target's clock: wall time unless a profile on a shared
+    machine chose its thread's CPU time), after the device's queued work."""
+
+    def __init__(self, device: torch.device, read: Any = time.perf_counter) -> None:
         self.sync = device.type == "cuda"
         self.device = device
+        self.read = read
 
     def __call__(self) -> float:
         if self.sync:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return float(self.read())
 
 
 def _check_budget(b: Any) -> int:
@@ -412,7 +417,11 @@ def _matched_depth(tree: Tree, seq: list[int], root: int) -> int:
     return depth
 
 
-def _prefilled(model: DartModel, context_tokens: int, seed: int) -> tuple[Any, int]:
+def _prefilled(
+    model: DartModel, context_tokens: int, seed: int, max_tree: int = 255
+) -> tuple[Any, int]:
+    """A cache prefilled with ``context_tokens`` random tokens, room for a tree of
+    ``max_tree`` nodes after them (on the static path's terms where generation takes it)."""
     target = model.target
     limit = target.max_positions or 1 << 30
     n = max(1, min(context_tokens, limit - 128))
@@ -422,7 +431,8 @@ def _prefilled(model: DartModel, context_tokens: int, seed: int) -> tuple[Any, i
         dtype=torch.long,
         device=target.device,
     )
-    cache = target.new_cache(n + 256)
+    static = resolve_static("auto", target.layer_devices())
+    cache = target.new_cache(static_capacity(n + 1, max_tree) if static else n + 1 + max_tree)
     target.forward(ids, torch.arange(n, device=target.device).unsqueeze(0), cache, taps=False)
     return cache, n
 
@@ -447,20 +457,35 @@ def _verify_costs(
     """Median milliseconds of one tree verification forward per budget, and of one
     autoregressive forward (one token, no taps: what ``ar_generate`` runs)."""
     target = model.target
-    cache, n = _prefilled(model, context_tokens, seed)
+    max_tree = max(budgets) + 1
+    cache, n = _prefilled(model, context_tokens, seed, max_tree)
     rng = np.random.default_rng(seed + 1)
     trees = {b: _random_tree(b + 1, rng, target.vocab_size) for b in budgets}
     token = torch.tensor([[1]], dtype=torch.long, device=target.device)
     position = torch.tensor([[n]], dtype=torch.long, device=target.device)
+    # Where generation takes the static path (cuda), time what a step runs there: the
+    # padded forward, acceptance and compaction of the tree's bucket (a graph replay).
+    static = None
+    if resolve_static("auto", target.layer_devices()):
+        graphs = target.device.type == "cuda"
+        static = StaticVerifier(target, cache, max_tree, graphs=graphs)
 
     def ar_forward() -> None:
-        target.forward(token, position, cache, logits_to_keep=1, taps=False)
+        if static is not None:
+            static.greedy_step(Tree.root_only(1))
+        else:
+            target.forward(token, position, cache, logits_to_keep=1, taps=False)
 
     def tree_forward(b: int) -> Any:
+        if static is not None:
+            return lambda: static.greedy_step(trees[b])
         return lambda: verify_tree(target, cache, trees[b])
 
     runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    for run in (runs[-1], runs[budgets[-1]]):  # warm-up
+    # Every shape once before any is timed: a first run pays for new shapes (attention
+    # plans, allocations, kernel choices; on cuda the graph capture), which no later
+    # step does.
+    for run in runs.values():
         run()
         cache.truncate(n)
     samples: dict[int, list[float]] = {b: [] for b in runs}
@@ -520,7 +545,7 @@ def _batch_costs(
         return lambda: verify_trees(target, cache, trees[b])
 
     runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    for run in (runs[-1], runs[budgets[-1]]):  # warm-up
+    for run in runs.values():  # every shape once before any is timed, as _verify_costs
         run()
         cache.truncate(n)
     samples: dict[int, list[float]] = {b: [] for b in runs}

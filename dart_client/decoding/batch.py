@@ -179,6 +179,7 @@ class BatchGenerator:
 
     # -- decoding ---------------------------------------------------------------------------
 
+    @torch.no_grad()
     def _admit(self) -> list[tuple[int, StreamEvent]]:
         """Prefill waiting requests into free rows, each alone (its cache is a lone
         generation's), and emit their first tokens."""
@@ -310,15 +311,18 @@ def generate_batch(
     config: GenerationConfig,
     *,
     mode: str = "dart",
+    max_batch: int | None = None,
 ) -> list[GenerationResult]:
     """Generate for every prompt (text, or token ids) together, fused: the results in
-    order. ``config.tree_budget`` must be resolved (``DartModel.generate_batch`` does it).
-    Every prompt is validated before anything runs."""
+    order. At most ``max_batch`` (default: all) are decoded at once; the others take the
+    rows the finished ones free. ``config.tree_budget`` must be resolved
+    (``DartModel.generate_batch`` does it). Every prompt is validated before anything runs."""
     if not prompts:
         return []
     limit = model.target.max_positions
     max_length = config.max_length if limit is None else min(config.max_length, limit)
-    batch = BatchGenerator(model, mode=mode, max_batch=len(prompts), max_length=max_length)
+    rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+    batch = BatchGenerator(model, mode=mode, max_batch=rows, max_length=max_length)
     ids = []
     for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None

@@ -29,12 +29,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dart_client.decoding.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.accept import accept_greedy, accept_sampling, greedy_token
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.decoding.prune import TreeBuilder, build_tree
 from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
+from dart_client.decoding.static import (
+    StaticVerifier,
+    lend_cache,
+    resolve_static,
+    return_cache,
+    static_capacity,
+    static_head_capacity,
+    verifier_for,
+)
 from dart_client.decoding.verify import Tree, verify_tree
 from dart_client.errors import ContextTooLongError, EmptyPromptError, InvalidArgumentError
 
@@ -324,6 +333,10 @@ def new_run(
             f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
             f"new token (raise max_length above {len(ids)} or shorten the prompt)"
         )
+    # The static path drafts with a DART head (its graphs hold the head's forward): another
+    # drafter runs on the dynamic path.
+    static = resolve_static(config.static, model.target.layer_devices())
+    static = static and (drafter is None or isinstance(drafter, DartDrafter))
     return _Run(
         model,
         drafter,
@@ -337,6 +350,7 @@ def new_run(
         config.seed,
         lookup if mode == "dart" else None,
         prefix_cache,
+        static,
     )
 
 
@@ -357,9 +371,11 @@ class _Run:
         seed: int | None,
         lookup: PromptLookupConfig | None,
         prefix_cache: PrefixCache | None = None,
+        static: bool = False,
     ) -> None:
         self.model = model
         self.drafter = drafter
+        self.static = static
         self.prefix_cache = prefix_cache
         self.target = model.target
         self.mode = mode
@@ -401,10 +417,22 @@ class _Run:
         start = self._clock()
         target = self.target
         drafter = self.drafter
+        # The DART head, which the static path drafts with (another drafter never runs it).
+        head = drafter.head if isinstance(drafter, DartDrafter) else None
         prompt_len = len(self.prompt)
         kept = self.prefix_cache
         head_capacity = None if drafter is None else drafter.cache_capacity(self.max_length)
-        begin = kept._start(self.prompt, self.max_length, head_capacity) if kept else 0
+        # The largest tree this generation can verify (root included).
+        max_tree = min(self.max_length - prompt_len, self.max_new)
+        if drafter is not None and self.tree_budget is not None:
+            max_tree = min(max_tree, self.tree_budget + 1)
+        capacity = static_capacity(self.max_length, max_tree) if self.static else self.max_length
+        begin = kept._start(self.prompt, capacity, head_capacity) if kept else 0
+        if begin and self.static and head is not None:
+            assert kept is not None
+            needed = static_head_capacity(kept.cache.capacity, head.config.draft_length)
+            if kept.head_cache.capacity != needed:
+                begin = 0  # a head cache of the dynamic path: the static draft cannot use it
         if kept is not None:
             # Until this generation ends the caches change under the recorded tokens: an
             # interrupted generation leaves nothing to reuse.
@@ -413,8 +441,29 @@ class _Run:
             assert kept is not None
             cache = kept.cache
             cache.truncate(begin)
+        elif self.static and kept is None:
+            cache = lend_cache(target, capacity)
         else:
-            cache = target.new_cache(self.max_length)
+            cache = target.new_cache(capacity)
+        try:
+            yield from self._generate(start, cache, drafter, head, head_capacity, begin, max_tree)
+        finally:
+            if self.static and kept is None:
+                return_cache(cache)
+
+    def _generate(
+        self,
+        start: float,
+        cache: Any,
+        drafter: Drafter | None,
+        head: DartHead | None,
+        head_capacity: int | None,
+        begin: int,
+        max_tree: int,
+    ) -> Iterator[StreamEvent | GenerationResult]:
+        target = self.target
+        kept = self.prefix_cache
+        prompt_len = len(self.prompt)
         ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
         positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
         logits, taps = target.forward(
@@ -429,8 +478,23 @@ class _Run:
             self.timings[stage] += seconds
         yield event
 
+        static: StaticVerifier | None = None
+        if self.static and self.finish is None:
+            graphs = self.device.type == "cuda"
+            static = verifier_for(
+                target,
+                cache,
+                max_tree,
+                graphs=graphs,
+                head=head,
+                top_k=self.model.draft_top_k,
+                head_cache=kept.head_cache if begin > 0 and head is not None else None,
+            )
+            static.clear_tail()
+        static_greedy = static is not None and self.params.greedy
         head_cache = None
-        # What the next draft reads: the last forward's taps and the accepted nodes' tokens.
+        # What the next draft reads: the last forward's taps, the accepted nodes among them
+        # and the accepted nodes' tokens.
         pending: tuple[torch.Tensor, list[int], list[int]] | None = None
         if drafter is not None and self.finish is None:
             assert taps is not None
@@ -439,6 +503,10 @@ class _Run:
                 assert kept is not None
                 head_cache = kept.head_cache
                 head_cache.truncate(begin)
+            elif static is not None:
+                head_cache = static.head_cache
+                assert head_cache is not None
+                head_cache.truncate(0)
             else:
                 head_cache = drafter.new_cache(head_capacity)
             next_ids = torch.tensor(
@@ -469,30 +537,50 @@ class _Run:
             else:
                 tree = Tree.root_only(root)
             t = self._lap_add(t, tree_stage, step)
-            logits, taps = (
-                verify_tree(target, cache, tree)
-                if drafter is not None
-                else self._ar_forward(cache, root)
-            )
-            forward = target.last_forward_seconds
-            t2 = self._clock()
-            step["inputs"] = t2 - t - forward
-            step["verify"] = forward
-            t = t2
-            acc: Acceptance = (
-                accept_greedy(tree, logits)
-                if self.params.greedy
-                else accept_sampling(tree, logits, self.params, self.generator)
-            )
-            t = self._lap(t, "accept", step)
-            cache.keep(cache_len, acc.nodes, self.device)
-            t = self._lap(t, "compact", step)
+            if static_greedy:
+                assert static is not None
+                # One copy in, one graph (forward, acceptance, compaction), one copy out.
+                loaded = static.load(tree)
+                t = self._lap(t, "inputs", step)
+                out = static.run_greedy(loaded)
+                t = self._lap(t, "verify", step)
+                outcome = static.accepted(loaded, out, tree)
+                acc = outcome.acceptance
+                if outcome.rows is not None:
+                    # Drafted in the same replay: no draft stage (static: DART's drafter).
+                    assert isinstance(drafter, DartDrafter)
+                    drafter.rows = outcome.rows
+                t = self._lap(t, "accept", step)
+            else:
+                if static is not None:
+                    logits, taps = static.forward(tree)
+                    t = self._lap(t, "verify", step)
+                else:
+                    logits, taps = (
+                        verify_tree(target, cache, tree)
+                        if drafter is not None
+                        else self._ar_forward(cache, root)
+                    )
+                    forward = target.last_forward_seconds
+                    t2 = self._clock()
+                    step["inputs"] = t2 - t - forward
+                    step["verify"] = forward
+                    t = t2
+                acc = (
+                    accept_greedy(tree, logits)
+                    if self.params.greedy
+                    else accept_sampling(tree, logits, self.params, self.generator)
+                )
+                t = self._lap(t, "accept", step)
+                cache.keep(cache_len, acc.nodes, self.device)
+                t = self._lap(t, "compact", step)
             new = acc.new_tokens
             event = self._emit(new, len(new), len(tree), step)
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
-            if self.finish is None and drafter is not None:
+            # (A static greedy step drafted the next rows in its replay already.)
+            if self.finish is None and drafter is not None and not static_greedy:
                 assert taps is not None
                 pending = (taps, acc.nodes, new)
             yield event

@@ -381,12 +381,25 @@ class HeadCache:
         self._live: int | None = None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        #: Static mode (``dart_client.decoding.static``): the positions, a device tensor,
+        #: that the next keys are written to; attention then reads the whole buffer.
+        self.slots: torch.Tensor | None = None
+
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The K and V buffers (full capacity; none before the first append) with their
+        batch axis, as :meth:`TargetCache.buffers` gives them."""
+        return [(b, 0) for b in (self._k, self._v) if b is not None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[2]
         if self._k is None or self._v is None:
             self._allocate(k, v, k.shape[0])
         assert self._k is not None and self._v is not None
+        if self.slots is not None:
+            # Static mode: no host-side length (the caller sets it once it is known).
+            self._k.index_copy_(2, self.slots, k)
+            self._v.index_copy_(2, self.slots, v)
+            return self._k, self._v
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(
@@ -399,7 +412,8 @@ class HeadCache:
         return self._k[:live, :, :end], self._v[:live, :, :end]
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
-        # Zeroed: a batched row's stale tail is masked, and a masked zero adds nothing.
+        # Zeroed: a batched row's stale tail and the static draft's unused positions are
+        # masked, and a masked zero adds nothing (a masked NaN would).
         self._k = k.new_zeros((batch, k.shape[1], self.capacity, k.shape[3]))
         self._v = v.new_zeros((batch, v.shape[1], self.capacity, v.shape[3]))
 
@@ -735,8 +749,7 @@ class DartHead(nn.Module):
         m = self.config.draft_length if num_masks is None else num_masks
         r = taps.shape[1]
         past = cache.length if cache is not None else 0
-        projected = project(self, ("fc",), taps)
-        embeds = self._embed(next_ids).to(projected.dtype)
+        projected = self.project_taps(taps)
         n = r + m
         if positions is not None:
             cos_sin = self.rope_at(positions, projected)
@@ -750,9 +763,32 @@ class DartHead(nn.Module):
             cfg = self.config
             groups = cfg.num_attention_heads // cfg.num_key_value_heads if n <= 64 else 1
             mask = causal_mask(n, past, projected.dtype, taps.device, groups)
-        h = self.midlayer(embeds, projected, cos_sin, cache, mask, m)
+        logits = self.draft_logits(projected, next_ids, cache, cos_sin, mask, m)
         if cache is not None and positions is None:
             cache.truncate(past + r)
+        return logits
+
+    def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """``fc``: the tapped target states (b, r, 3H) projected to the head's width."""
+        return project(self, ("fc",), taps)
+
+    def draft_logits(
+        self,
+        projected: torch.Tensor,
+        next_ids: torch.Tensor,
+        cache: HeadCache | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        num_masks: int,
+    ) -> torch.Tensor:
+        """The layer and the output over given RoPE rows and mask (what :meth:`forward`
+        computes from the cache's length; the static path gives its own, fixed-shape ones):
+        logits of the last real row and the ``num_masks`` mask slots. ``projected``:
+        :meth:`project_taps`."""
+        if self._embed is None:
+            raise RuntimeError("bind_embedding(target embedding) before running the head")
+        embeds = self._embed(next_ids).to(projected.dtype)
+        h = self.midlayer(embeds, projected, cos_sin, cache, mask, num_masks)
         h = self.norm(h)
         if self.config.double_final_norm:
             h = self.norm(h)

@@ -51,6 +51,10 @@ class PreallocatedLayer(DynamicLayer):
         #: Where the buffers come from: one block for every layer of a cache (so that
         #: compaction is one copy, not two per layer), or None for a buffer of its own.
         self.storage = storage
+        #: Static mode (:meth:`TargetCache.set_slots`): the cache positions, a device tensor,
+        #: that the next keys are written to; attention then reads the whole buffer (every
+        #: forward has the same shapes, as a CUDA graph needs) and a mask hides the rest.
+        self.slots: torch.Tensor | None = None
         #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
         self.rows: int | None = None
 
@@ -90,6 +94,11 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self._k is not None and self._v is not None
+        if self.slots is not None:
+            # No host-side length: the caller moves it once it knows what was accepted.
+            self._k.index_copy_(2, self.slots, key_states)
+            self._v.index_copy_(2, self.slots, value_states)
+            return self._k, self._v
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(
@@ -239,13 +248,23 @@ class TargetCache(Cache):
         self.batch = batch
         #: The valid length of each live row of a batched cache.
         self.rows = RaggedRows()
+        #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
+        self.static_verifiers: dict[Any, Any] = {}
+
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
+        read at each forward, so a captured graph follows its contents) and attends over
+        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
+        length."""
+        for layer in self._layers():
+            layer.slots = slots
 
     def _layers(self) -> list[PreallocatedLayer]:
         layers = [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]
         assert len(layers) == len(self.layers)
         return layers
 
-    def _buffers(self) -> list[tuple[torch.Tensor, int]]:
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
         """Every K/V buffer with its batch axis (the sequence axis is two further): the
         stacked block once, else each layer's two buffers."""
         storage = self.storage
@@ -285,7 +304,7 @@ class TargetCache(Cache):
         """Free ``row``: the last live row moves into it (live rows stay the first ones)."""
         last = self.rows.drop(row)
         if last is not None:
-            for buffer, axis in self._buffers():
+            for buffer, axis in self.buffers():
                 copy_row(buffer, axis, row, last, self.rows.lengths[row])
         self._set_rows()
 
@@ -294,7 +313,7 @@ class TargetCache(Cache):
         row b's nodes ``nodes[b]`` (relative to ``start``, ascending) at its own length."""
         plan = self.rows.compaction(start, nodes, device)
         if plan is not None:
-            for buffer, axis in self._buffers():
+            for buffer, axis in self.buffers():
                 compact_rows(buffer, axis, plan)
         self._set_rows()
 
@@ -554,10 +573,10 @@ class TargetModel:
     def new_cache(self, capacity: int, batch: int = 1) -> TargetCache:
         """A cache of ``capacity`` positions; ``batch`` > 1: a batched one (rows filled by
         :meth:`TargetCache.put_row`)."""
-        stacked = len(self._layer_devices()) == 1
+        stacked = len(self.layer_devices()) == 1
         return TargetCache(self.num_layers, capacity, stacked=stacked, batch=batch)
 
-    def _layer_devices(self) -> set[torch.device]:
+    def layer_devices(self) -> set[torch.device]:
         """The devices the decoder layers' weights are on (several under a device map)."""
         return {p.device for layer in self.layers for p in layer.parameters(recurse=True)}
 
@@ -582,13 +601,32 @@ class TargetModel:
         past = cache.length
         rows = cache.rows if len(cache.rows) else None
         mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device, rows)
+        sync = input_ids.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        start = self.clock()
+        logits, tapped = self.run(input_ids, position_ids, mask, cache, logits_to_keep, taps)
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        self.last_forward_seconds = self.clock() - start
+        return logits, tapped
+
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: TargetCache,
+        logits_to_keep: int = 0,
+        taps: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward with a ready 4D float ``mask`` (:func:`attention_mask`, or
+        the static path's): no host synchronisation and no timing, so a CUDA graph can
+        capture it."""
         self._taps.clear()
         self._capture = taps
-        sync = input_ids.device.type == "cuda"
         try:
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            start = self.clock()
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -597,9 +635,6 @@ class TargetModel:
                 **{self._cache_keyword: cache},
                 logits_to_keep=logits_to_keep,
             )
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            self.last_forward_seconds = self.clock() - start
         finally:
             self._capture = False
         tapped = None

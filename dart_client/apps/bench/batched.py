@@ -49,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="prompts decoded together")
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "humaneval"])
     p.add_argument("--groups", type=int, default=2, help="groups of --batch prompts per workload")
+    p.add_argument(
+        "--continuous",
+        action="store_true",
+        help="a workload's prompts as one queue: --batch of them decoded at once, the next "
+        "joining as soon as one ends (concurrent requests), instead of groups run to the end",
+    )
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--repetitions", type=int, default=3)
@@ -57,28 +63,46 @@ def parser() -> argparse.ArgumentParser:
         "--batch-tree-budget", default="4", help="draft nodes per row of a batch, or 'auto'"
     )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="'thread': this thread's CPU time (blind to waits for a core on a shared machine; "
+        "needs --threads 1; the pruner's worker threads are not counted)",
+    )
     p.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     return p
 
 
+#: The clock of the measurements (``--clock``).
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+_clock = time.perf_counter
+
+
 def _timed(fn: Any) -> tuple[list[Any], float]:
-    start = time.perf_counter()
+    start = _clock()
     results = fn()
-    return results, time.perf_counter() - start
+    return results, _clock() - start
 
 
 def run_method(
-    model: Any, method: str, prompts: Sequence[list[int]], config: Any, batch_budget: Any
+    model: Any,
+    method: str,
+    prompts: Sequence[list[int]],
+    config: Any,
+    batch_budget: Any,
+    max_batch: int | None = None,
 ) -> tuple[list[Any], float]:
-    """One method over one group: (results, seconds)."""
+    """One method over one group: (results, seconds on the chosen clock). The batched ones
+    decode at most ``max_batch`` prompts at once (the rest join as rows free up)."""
     if method == "dart-x1":
         return _timed(lambda: [model.generate(input_ids=p, config=config) for p in prompts])
     if method == "ar-x1":
         return _timed(lambda: [model.ar_generate(input_ids=p, config=config) for p in prompts])
     if method == "ar-xN":
-        return _timed(lambda: model.generate_batch(prompts, config, mode="ar"))
+        return _timed(lambda: model.generate_batch(prompts, config, mode="ar", max_batch=max_batch))
     batched = config.replace(tree_budget=batch_budget)
-    return _timed(lambda: model.generate_batch(prompts, batched))
+    return _timed(lambda: model.generate_batch(prompts, batched, max_batch=max_batch))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,16 +118,42 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
     import torch
 
     from dart_client.apps.bench import harness
-    from dart_client.decoding.config import GenerationConfig, parse_tree_budget
 
+    global _clock
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        raise harness.BenchError("--clock thread measures one thread: use it with --threads 1")
+    _clock = CLOCKS[args.clock]
     for name in ("batch", "groups", "max_new_tokens", "repetitions"):
         if getattr(args, name) < 1:
             raise harness.BenchError(f"--{name.replace('_', '-')} must be >= 1")
     notes: list[str] = []
     if model is None:
         model = load(args, notes)
+    # The tuner measures on the target's clock: the same as the runs' (put back after).
+    target_clock, model.target.clock = model.target.clock, _clock
+    try:
+        summary, groups = _measure(args, model, notes)
+    finally:
+        model.target.clock = target_clock
+    print(json.dumps(summary, indent=2))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"summary": summary, "groups": groups}, indent=2) + "\n")
+    return 0
+
+
+def _measure(
+    args: argparse.Namespace, model: Any, notes: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Tune (if asked), warm up and measure every method: the summary and each group's
+    figures."""
+    import torch
+
+    from dart_client.apps.bench import harness
+    from dart_client.decoding.config import GenerationConfig, parse_tree_budget
+
     budget = parse_tree_budget(args.tree_budget)
     batch_budget = parse_tree_budget(args.batch_tree_budget)
     per_workload = args.batch * args.groups
@@ -126,14 +176,17 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
     methods = list(args.methods)
     for w in workloads:
         prompts = [p.ids for p in w.prompts[:per_workload]]
-        for g in range(0, len(prompts), args.batch):
-            group = prompts[g : g + args.batch]
+        size = len(prompts) if args.continuous else args.batch
+        for g in range(0, len(prompts), size):
+            group = prompts[g : g + size]
             runs: dict[str, list[tuple[list[Any], float]]] = {m: [] for m in methods}
             for rep in range(args.repetitions):
-                shift = (g // args.batch + rep) % len(methods)
+                shift = (g // size + rep) % len(methods)
                 for method in [*methods[shift:], *methods[:shift]]:
-                    runs[method].append(run_method(model, method, group, config, batch_budget))
-            row: dict[str, Any] = {"workload": w.name, "group": g // args.batch}
+                    runs[method].append(
+                        run_method(model, method, group, config, batch_budget, args.batch)
+                    )
+            row: dict[str, Any] = {"workload": w.name, "group": g // size}
             medians = {}
             for method, measured in runs.items():
                 results, seconds = sorted(measured, key=lambda r: r[1])[(len(measured) - 1) // 2]
@@ -165,6 +218,8 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         "batch_tree_budget": batch_budget,
         "batch_budget_tuning": None if tuning is None else tuning.to_dict(),
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "continuous": args.continuous,
         "notes": notes,
     }
     if "dart-xN" in rate and "dart-x1" in rate and rate["dart-x1"]:
@@ -175,11 +230,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         )
     if "ar-xN" in rate and "ar-x1" in rate and rate["ar-x1"]:
         summary[f"ar-x{args.batch} over ar-x1"] = round(rate["ar-xN"] / rate["ar-x1"], 2)
-    print(json.dumps(summary, indent=2))
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"summary": summary, "groups": rows}, indent=2) + "\n")
-    return 0
+    return summary, rows
 
 
 if __name__ == "__main__":

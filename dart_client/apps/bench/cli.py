@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from dart_client.apps.bench import METHODS
-from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
+from dart_client.apps.options import (
+    add_cpu_kernels_argument,
+    add_prompt_lookup_argument,
+    add_static_argument,
+)
 from dart_client.embedded import display_path
 from dart_client.errors import DartError
 
@@ -43,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     g.add_argument("--device", default="cpu")
+    add_static_argument(g)
     add_cpu_kernels_argument(g)
     add_prompt_lookup_argument(g)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         repetitions=args.repetitions,
         warmup=args.warmup,
         pld_tokens=args.pld_tokens,
+        static=args.static,
     )
     calibrate = budget == "auto" and args.calibration_prompts > 0
     workloads = harness.load_workloads(

@@ -759,6 +759,12 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
         "numpy": numpy.__version__,
         "git_commit": commit or None,
         "device": str(model.target.device),
+        # The GPU's name: figures are recorded with it (docs/gpu.md).
+        "gpu": (
+            torch.cuda.get_device_name(model.target.device)
+            if model.target.device.type == "cuda"
+            else None
+        ),
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),
