@@ -19,8 +19,16 @@ from dart_client.decoding.config import (
     parse_tree_budget,
     resolve_tree_budget,
 )
+from dart_client.decoding.eagle3 import Eagle3Drafter, Eagle3TreeConfig
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
-from dart_client.decoding.loop import GenerationResult, GenerationStream, PrefixCache, generate
+from dart_client.decoding.loop import (
+    DartDrafter,
+    Drafter,
+    GenerationResult,
+    GenerationStream,
+    PrefixCache,
+    generate,
+)
 from dart_client.decoding.prune import PrunerTreeBuilder, TreeBuilder, pruner_max_nodes
 from dart_client.errors import (
     DartError,
@@ -38,6 +46,7 @@ from dart_client.loading import (
     note,
     torch_dtype,
 )
+from dart_client.models.eagle3 import Eagle3Head
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
 from dart_client.templates import TEMPLATE_REGISTRY, ChatTemplate
@@ -64,6 +73,8 @@ class DartModel:
     Build it with :meth:`from_pretrained` (paths or hub ids) or directly from loaded parts:
     ``DartModel(target_model, head, tokenizer=tok, ngram=NGram.open(...))``. ``head`` and
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
+    ``eagle3`` (an :class:`~dart_client.models.eagle3.Eagle3Head`) drafts with EAGLE-3's
+    dynamic tree (``eagle3_tree``) instead of a DART head and pruner.
     ``tree_budget`` is the default node budget of :meth:`generate` (an int, or ``"auto"``:
     measured on this machine by :meth:`tune`, whose result lands in ``tree_tuning``).
     ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
@@ -91,6 +102,8 @@ class DartModel:
         tree_budget: int | str | None = None,
         prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
         check_tokenizer: bool = True,
+        eagle3: Eagle3Head | None = None,
+        eagle3_tree: Eagle3TreeConfig | None = None,
     ) -> None:
         self.tree_budget = parse_tree_budget(tree_budget)
         self.tree_tuning: Any = None
@@ -104,11 +117,16 @@ class DartModel:
         self.target = target
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.head = head
-        if head is not None:
-            head.check_compatible(target.config)
-            head.to(device=target.device, dtype=_float_dtype(target))
-            head.eval()
-            head.bind_embedding(target.embedding())
+        if head is not None and eagle3 is not None:
+            raise InvalidArgumentError("give a DART head or an EAGLE-3 head, not both")
+        self.eagle3 = eagle3
+        self.eagle3_tree = eagle3_tree or Eagle3TreeConfig()
+        for drafting in (head, eagle3):
+            if drafting is not None:
+                drafting.check_compatible(target.config)
+                drafting.to(device=target.device, dtype=_float_dtype(target))
+                drafting.eval()
+                drafting.bind_embedding(target.embedding())
         if pruner is None and ngram is not None:
             from dart_client.ngram.pruner import Pruner, PrunerConfig
 
@@ -135,6 +153,15 @@ class DartModel:
         if template is None and getattr(self.tokenizer, "chat_template", None):
             template = TEMPLATE_REGISTRY.from_tokenizer(self.tokenizer)
         self.template: ChatTemplate | None = template
+
+    def new_drafter(self) -> Drafter | None:
+        """What drafts one generation's trees: EAGLE-3's drafter when this model has an
+        EAGLE-3 head, else DART's head + pruner (None with neither)."""
+        if self.eagle3 is not None:
+            return Eagle3Drafter(self.eagle3, self.eagle3_tree)
+        if self.head is None or self.tree_builder is None:
+            return None
+        return DartDrafter(self.head, self.tree_builder, self.draft_top_k)
 
     # -- loading --------------------------------------------------------------------------
 
@@ -327,6 +354,12 @@ class DartModel:
         return self._resolved(config, mode, batch)
 
     def _resolved(self, config: GenerationConfig, mode: str, batch: int = 1) -> GenerationConfig:
+        if mode == "dart" and self.eagle3 is not None:
+            budget = parse_tree_budget(config.tree_budget)
+            budget = self.tree_budget if budget is None else budget
+            if budget == "auto":
+                raise InvalidArgumentError("tree_budget 'auto' tunes DART's pruner trees only")
+            return config.replace(tree_budget=self.eagle3_tree.budget if budget is None else budget)
         if mode == "dart" and self.head is not None and self.tree_builder is not None:
             budget = self.resolved_tree_budget(config.tree_budget, batch)
             return config.replace(tree_budget=budget)
@@ -347,7 +380,7 @@ def dart_generate(
 ) -> GenerationResult | GenerationStream:
     """``model.generate(prompt, config, **kwargs)``: speculative generation. Kept for existing
     callers; old keyword names (``max_new_token_num``) work with a deprecation warning."""
-    if model.head is None or model.tree_builder is None:
+    if model.new_drafter() is None:
         raise InvalidArgumentError(
             "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
         )

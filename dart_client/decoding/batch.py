@@ -78,6 +78,11 @@ class BatchGenerator:
     ) -> None:
         if mode not in ("dart", "ar"):
             raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
+        if mode == "dart" and getattr(model, "eagle3", None) is not None:
+            raise InvalidArgumentError(
+                "batched generation drafts with a DART head only; an EAGLE-3 model generates "
+                "one sequence at a time"
+            )
         if mode == "dart" and (model.head is None or model.tree_builder is None):
             raise InvalidArgumentError(
                 "this DartModel has no draft head / n-gram pruner: use mode='ar', or load one"

@@ -461,12 +461,17 @@ class HeadCache:
 class DartHead(nn.Module):
     """The DART draft head. Parameter names match the published checkpoint layout."""
 
+    #: The keys of the published layout (a subclass with another layout names its own).
+    checkpoint_keys: tuple[str, ...] = CHECKPOINT_KEYS
+    #: Weight files ``from_pretrained`` reads, the first one present.
+    weight_files: tuple[str, ...] = (WEIGHTS_NAME,)
+
     def __init__(self, config: DartHeadConfig) -> None:
         super().__init__()
         self.config = config
         assert config.target_hidden_size is not None
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = HeadLayer(config)
+        self.midlayer = self._make_layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -474,6 +479,9 @@ class DartHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config=config.rope_config())
         self._embed: nn.Module | None = None
         self._draft_to_target: tuple[Any, torch.Tensor, np.ndarray] | None = None
+
+    def _make_layer(self, config: DartHeadConfig) -> nn.Module:
+        return HeadLayer(config)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -546,7 +554,7 @@ class DartHead(nn.Module):
 
         Keys are checked strictly against the published layout; every mismatch is reported.
         """
-        directory = _resolve_head_dir(path, **hub_kwargs)
+        directory = _resolve_head_dir(path, (CONFIG_NAME, *cls.weight_files), **hub_kwargs)
         config_path = directory / CONFIG_NAME
         weights_path = directory / WEIGHTS_NAME
         try:
@@ -560,15 +568,13 @@ class DartHead(nn.Module):
         config = DartHeadConfig.from_dict(raw, source=str(config_path))
         if double_final_norm is not None:
             config.double_final_norm = double_final_norm
+        weights_path = next(
+            (directory / name for name in cls.weight_files if (directory / name).is_file()),
+            weights_path,
+        )
         if not weights_path.is_file():
             raise CheckpointError(f"{weights_path}: head weights not found")
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{weights_path}: cannot read safetensors ({err})") from None
+        state = read_weights(weights_path)
         head = cls(config)
         head.load_checkpoint_state(state, source=str(weights_path))
         return head
@@ -577,13 +583,14 @@ class DartHead(nn.Module):
         """Strictly load a published-layout state dict, naming every problem found."""
         expected = self.state_dict()
         problems: list[str] = []
-        missing = [k for k in CHECKPOINT_KEYS if k not in state]
+        keys = self.checkpoint_keys
+        missing = [k for k in keys if k not in state]
         unexpected = sorted(k for k in state if k not in expected and k not in IGNORED_KEYS)
         if missing:
             problems.append(f"missing keys {missing}")
         if unexpected:
             problems.append(f"unexpected keys {unexpected}")
-        for key in CHECKPOINT_KEYS:
+        for key in keys:
             if key in state and tuple(state[key].shape) != tuple(expected[key].shape):
                 problems.append(
                     f"{key}: shape {tuple(state[key].shape)}, expected "
@@ -591,7 +598,7 @@ class DartHead(nn.Module):
                 )
         if problems:
             raise CheckpointError(f"{source}: " + "; ".join(problems))
-        own = {k: state[k] for k in CHECKPOINT_KEYS}
+        own = {k: state[k] for k in keys}
         d2t = own["d2t"]
         if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
             raise CheckpointError(f"{source}: d2t must be an integer tensor, got {d2t.dtype}")
@@ -805,7 +812,29 @@ def _causal_block(n: int, groups: int, dtype: torch.dtype, device: torch.device)
     return block.repeat(groups, 1)
 
 
-def _resolve_head_dir(path: str | Path, **hub_kwargs: Any) -> Path:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors from ``.safetensors`` or a ``torch.save``d ``.bin`` (read with
+    ``weights_only``: no code runs); a file that is neither names the problem."""
+    if path.suffix == ".bin":
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several types for a corrupt pickle
+            raise CheckpointError(f"{path}: cannot read a torch checkpoint ({err})") from None
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise CheckpointError(f"{path}: expected a dict of named tensors")
+        return state
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: cannot read safetensors ({err})") from None
+
+
+def _resolve_head_dir(path: str | Path, files: tuple[str, ...], **hub_kwargs: Any) -> Path:
     local = Path(path)
     if local.is_dir():
         return local
@@ -817,9 +846,7 @@ def _resolve_head_dir(path: str | Path, **hub_kwargs: Any) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME], **hub_kwargs)
-        )
+        return Path(snapshot_download(text, allow_patterns=list(files), **hub_kwargs))
     except Exception as err:  # hub errors vary by version; report what happened
         raise CheckpointError(
             f"{path}: not a local directory, and downloading it from the hub failed ({err})"
