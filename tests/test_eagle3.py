@@ -347,8 +347,10 @@ def distilled_head(target: Any, out: Path, steps: int = 100) -> tuple[Eagle3Head
     with torch.no_grad():
         for _ in range(16):
             prompt = torch.randint(3, TINY_VOCAB, (1, 4), generator=gen)
-            out = target.generate(prompt, max_new_tokens=28, do_sample=False, min_new_tokens=28)
-            ids = out[0].numpy().astype(np.int32)
+            continued = target.generate(
+                prompt, max_new_tokens=28, do_sample=False, min_new_tokens=28
+            )
+            ids = continued[0].numpy().astype(np.int32)
             prompts.append(prompt[0].tolist())
             mask = np.zeros(len(ids), dtype=bool)
             mask[4:] = True
