@@ -12,14 +12,23 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_client.decoding.batch import BatchGenerator, generate_batch
 from dart_client.decoding.config import (
     GenerationConfig,
     config_from,
     parse_tree_budget,
     resolve_tree_budget,
 )
+from dart_client.decoding.eagle3 import Eagle3Drafter, Eagle3TreeConfig
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
-from dart_client.decoding.loop import GenerationResult, GenerationStream, PrefixCache, generate
+from dart_client.decoding.loop import (
+    DartDrafter,
+    Drafter,
+    GenerationResult,
+    GenerationStream,
+    PrefixCache,
+    generate,
+)
 from dart_client.decoding.prune import PrunerTreeBuilder, TreeBuilder, pruner_max_nodes
 from dart_client.errors import (
     DartError,
@@ -37,6 +46,7 @@ from dart_client.loading import (
     note,
     torch_dtype,
 )
+from dart_client.models.eagle3 import Eagle3Head
 from dart_client.models.head import DartHead
 from dart_client.models.target import TargetModel
 from dart_client.templates import TEMPLATE_REGISTRY, ChatTemplate
@@ -63,6 +73,8 @@ class DartModel:
     Build it with :meth:`from_pretrained` (paths or hub ids) or directly from loaded parts:
     ``DartModel(target_model, head, tokenizer=tok, ngram=NGram.open(...))``. ``head`` and
     the n-gram may be omitted for an autoregressive-only model (``ar_generate``).
+    ``eagle3`` (an :class:`~dart_client.models.eagle3.Eagle3Head`) drafts with EAGLE-3's
+    dynamic tree (``eagle3_tree``) instead of a DART head and pruner.
     ``tree_budget`` is the default node budget of :meth:`generate` (an int, or ``"auto"``:
     measured on this machine by :meth:`tune`, whose result lands in ``tree_tuning``).
     ``prompt_lookup`` merges a prompt-lookup proposal into every draft tree
@@ -90,9 +102,13 @@ class DartModel:
         tree_budget: int | str | None = None,
         prompt_lookup: int | PromptLookupConfig | None = DEFAULT_LOOKUP,
         check_tokenizer: bool = True,
+        eagle3: Eagle3Head | None = None,
+        eagle3_tree: Eagle3TreeConfig | None = None,
     ) -> None:
         self.tree_budget = parse_tree_budget(tree_budget)
         self.tree_tuning: Any = None
+        #: ``tree_budget="auto"`` of fused batches, by batch size (:meth:`tune`).
+        self.batch_tree_tunings: dict[int, Any] = {}
         if not isinstance(target, TargetModel):
             target = TargetModel(target, tokenizer)
         elif tokenizer is not None and target.tokenizer is None:
@@ -101,11 +117,16 @@ class DartModel:
         self.target = target
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.head = head
-        if head is not None:
-            head.check_compatible(target.config)
-            head.to(device=target.device, dtype=_float_dtype(target))
-            head.eval()
-            head.bind_embedding(target.embedding())
+        if head is not None and eagle3 is not None:
+            raise InvalidArgumentError("give a DART head or an EAGLE-3 head, not both")
+        self.eagle3 = eagle3
+        self.eagle3_tree = eagle3_tree or Eagle3TreeConfig()
+        for drafting in (head, eagle3):
+            if drafting is not None:
+                drafting.check_compatible(target.config)
+                drafting.to(device=target.device, dtype=_float_dtype(target))
+                drafting.eval()
+                drafting.bind_embedding(target.embedding())
         if pruner is None and ngram is not None:
             from dart_client.ngram.pruner import Pruner, PrunerConfig
 
@@ -132,6 +153,15 @@ class DartModel:
         if template is None and getattr(self.tokenizer, "chat_template", None):
             template = TEMPLATE_REGISTRY.from_tokenizer(self.tokenizer)
         self.template: ChatTemplate | None = template
+
+    def new_drafter(self) -> Drafter | None:
+        """What drafts one generation's trees: EAGLE-3's drafter when this model has an
+        EAGLE-3 head, else DART's head + pruner (None with neither)."""
+        if self.eagle3 is not None:
+            return Eagle3Drafter(self.eagle3, self.eagle3_tree)
+        if self.head is None or self.tree_builder is None:
+            return None
+        return DartDrafter(self.head, self.tree_builder, self.draft_top_k)
 
     # -- loading --------------------------------------------------------------------------
 
@@ -236,20 +266,23 @@ class DartModel:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def tune(self, **kwargs: Any) -> int:
+    def tune(self, batch: int = 1, **kwargs: Any) -> int:
         """The node budget measured fastest on this machine (:mod:`dart_client.decoding.autotune`),
-        tuned once; the result stays in ``tree_tuning``. ``tree_budget="auto"`` resolves here."""
+        tuned once; the result stays in ``tree_tuning`` (``batch_tree_tunings[batch]`` for
+        the per-row budget of ``batch`` sequences decoded together). ``tree_budget="auto"``
+        resolves here."""
         from dart_client.decoding.autotune import auto_budget
 
-        return auto_budget(self, **kwargs)
+        return auto_budget(self, batch=batch, **kwargs)
 
-    def resolved_tree_budget(self, call: int | str | None = None) -> int | None:
+    def resolved_tree_budget(self, call: int | str | None = None, batch: int = 1) -> int | None:
         """The node budget a call with ``tree_budget=call`` uses: the call's, else the
-        model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`)."""
+        model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`,
+        for ``batch`` sequences decoded together)."""
         call = parse_tree_budget(call)
         model = self.tree_budget
         if call == "auto" or (call is None and model == "auto"):
-            return self.tune()
+            return self.tune(batch=batch)
         return resolve_tree_budget(call, model, pruner_max_nodes(self.pruner))
 
     def generate(
@@ -274,11 +307,7 @@ class DartModel:
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
             prompt, input_ids = None, prompt
-        config = config_from(config, overrides)
-        if mode == "dart" and self.head is not None and self.tree_builder is not None:
-            config = config.replace(tree_budget=self.resolved_tree_budget(config.tree_budget))
-        else:
-            config = config.replace(tree_budget=None)  # no tree: nothing to resolve
+        config = self._resolved(config_from(config, overrides), mode)
         return generate(
             self,
             config,
@@ -289,6 +318,52 @@ class DartModel:
             stream=stream,
             prefix_cache=prefix_cache,
         )
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Any],
+        config: GenerationConfig | Mapping[str, Any] | None = None,
+        *,
+        mode: str = "dart",
+        max_batch: int | None = None,
+        **overrides: Any,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) at once, fused: per step one head
+        forward, one pruner call and one target forward for the whole batch
+        (:mod:`dart_client.decoding.batch`). Each result equals what :meth:`generate` gives
+        that prompt alone (greedy: the same tokens; sampling: the same distribution). At
+        most ``max_batch`` (default: all) run at once, the others joining as rows free up.
+        For requests that come and go, use :meth:`batch_generator`."""
+        rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+        config = self._resolved(config_from(config, overrides), mode, max(1, rows))
+        return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
+
+    def batch_generator(
+        self, *, mode: str = "dart", max_batch: int = 8, max_length: int = 2048
+    ) -> BatchGenerator:
+        """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
+        this model; configs given to its ``add`` take :meth:`resolve_config` first (with
+        ``batch=max_batch``)."""
+        return BatchGenerator(self, mode=mode, max_batch=max_batch, max_length=max_length)
+
+    def resolve_config(
+        self, config: GenerationConfig, mode: str = "dart", batch: int = 1
+    ) -> GenerationConfig:
+        """``config`` with its tree budget resolved for ``mode`` (as :meth:`generate` does;
+        ``"auto"`` tuned for ``batch`` sequences decoded together)."""
+        return self._resolved(config, mode, batch)
+
+    def _resolved(self, config: GenerationConfig, mode: str, batch: int = 1) -> GenerationConfig:
+        if mode == "dart" and self.eagle3 is not None:
+            budget = parse_tree_budget(config.tree_budget)
+            budget = self.tree_budget if budget is None else budget
+            if budget == "auto":
+                raise InvalidArgumentError("tree_budget 'auto' tunes DART's pruner trees only")
+            return config.replace(tree_budget=self.eagle3_tree.budget if budget is None else budget)
+        if mode == "dart" and self.head is not None and self.tree_builder is not None:
+            budget = self.resolved_tree_budget(config.tree_budget, batch)
+            return config.replace(tree_budget=budget)
+        return config.replace(tree_budget=None)  # no tree: nothing to resolve
 
     def ar_generate(self, *args: Any, **kwargs: Any) -> GenerationResult | GenerationStream:
         """``generate(..., mode="ar")``: plain autoregressive decoding."""
@@ -305,7 +380,7 @@ def dart_generate(
 ) -> GenerationResult | GenerationStream:
     """``model.generate(prompt, config, **kwargs)``: speculative generation. Kept for existing
     callers; old keyword names (``max_new_token_num``) work with a deprecation warning."""
-    if model.head is None or model.tree_builder is None:
+    if model.new_drafter() is None:
         raise InvalidArgumentError(
             "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
         )

@@ -113,6 +113,11 @@ def smollm2_eos_id() -> int:
 SHIPPED_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2-135m-dart"
 
 
+#: The EAGLE-3 draft model trained for the embedded target (the baseline DART is measured
+#: against), shipped the same way.
+SHIPPED_EAGLE3_DIR = Path(__file__).parent / "heads" / "smollm2-135m-eagle3"
+
+
 def shipped_head() -> Path:
     """Directory of the DART head shipped for SmolLM2-135M-Instruct."""
     if not (SHIPPED_HEAD_DIR / "model.safetensors").is_file():

@@ -228,30 +228,78 @@ def load_head(
     ``"auto"`` (the shipped trained head when the target is the embedded one and the head is
     installed, else random). What was chosen, and why, is appended to ``notes`` (printed to
     stderr when ``notes`` is None)."""
+    from dart_client.embedded import SHIPPED_HEAD_DIR
     from dart_client.models.head import DartHead
 
+    return _load_draft_model(
+        spec,
+        target_config,
+        DartHead,
+        SHIPPED_HEAD_DIR,
+        "head",
+        embedded_target=embedded_target,
+        notes=notes,
+        double_final_norm=double_final_norm,
+    )
+
+
+def load_eagle3_head(
+    spec: str | Path | None,
+    target_config: Any = None,
+    *,
+    embedded_target: bool = False,
+    notes: list[str] | None = None,
+) -> Any:
+    """An :class:`~dart_client.models.eagle3.Eagle3Head` (a published EAGLE-3 checkpoint
+    directory or hub id), chosen as :func:`load_head` chooses a DART head (``"auto"``: the
+    one shipped for the embedded target)."""
+    from dart_client.embedded import SHIPPED_EAGLE3_DIR
+    from dart_client.models.eagle3 import Eagle3Head
+
+    return _load_draft_model(
+        spec,
+        target_config,
+        Eagle3Head,
+        SHIPPED_EAGLE3_DIR,
+        "EAGLE-3 head",
+        embedded_target=embedded_target,
+        notes=notes,
+    )
+
+
+def _load_draft_model(
+    spec: str | Path | None,
+    target_config: Any,
+    cls: Any,
+    shipped: Path,
+    what: str,
+    *,
+    embedded_target: bool,
+    notes: list[str] | None,
+    **from_kwargs: Any,
+) -> Any:
     if spec is None:
         return None
     spec = str(spec)
     if spec == "auto":
-        from dart_client.embedded import SHIPPED_HEAD_DIR, display_path
+        from dart_client.embedded import display_path
 
-        if embedded_target and (SHIPPED_HEAD_DIR / "model.safetensors").is_file():
-            note(notes, f"head: {display_path(SHIPPED_HEAD_DIR)}")
-            spec = str(SHIPPED_HEAD_DIR)
+        if embedded_target and (shipped / "model.safetensors").is_file():
+            note(notes, f"{what}: {display_path(shipped)}")
+            spec = str(shipped)
         else:
             spec = "random"
     if spec == "random":
         if target_config is None:
-            raise InvalidArgumentError("a random head needs the target's config")
+            raise InvalidArgumentError(f"a random {what} needs the target's config")
         note(
             notes,
-            "head: an untrained random head drafts nothing useful (tau near 1): speedups then "
-            "reflect the overhead, not the method",
+            f"{what}: an untrained random {what} drafts nothing useful (tau near 1): speedups "
+            "then reflect the overhead, not the method",
         )
         vocab = int(target_config.vocab_size)
-        return DartHead.random_init(target_config, draft_vocab_size=min(8192, vocab))
-    return DartHead.from_pretrained(spec, double_final_norm=double_final_norm)
+        return cls.random_init(target_config, draft_vocab_size=min(8192, vocab))
+    return cls.from_pretrained(spec, **from_kwargs)
 
 
 def load_ngram(spec: str | Path, *, is_small: bool = False) -> Any:

@@ -289,3 +289,49 @@ def test_bf16_attention_takes_any_layout() -> None:
     got, _ = small_query_attention(Attn(2), q, k, v, mask, scaling=0.25)
     want, _ = small_query_attention(Attn(2), q, k.contiguous(), v, mask.contiguous(), scaling=0.25)
     assert torch.equal(got, want)
+
+
+def test_target_tree_forward_on_every_sdpa_backend() -> None:
+    """The target's side of #20's backend crash: its tree forward (transformers' SDPA path
+    with DART's float tree mask), dynamic and padded to a static bucket, gives the math
+    backend's logits on every SDPA backend the test device has."""
+    import numpy as np
+    from conftest import TEST_DEVICE
+    from test_head import _sdpa_backends_here
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dart_client.decoding.static import StaticVerifier
+    from dart_client.decoding.verify import Tree, verify_tree
+
+    dtypes = [torch.float32] + ([torch.bfloat16] if TEST_DEVICE == "cuda" else [])
+    tried = 0
+    for dtype in dtypes:
+        model = make_tiny_target("llama", dtype=dtype, attn="sdpa", seed=4)
+        target = TargetModel(model, cpu_kernels=False)
+        rng = np.random.default_rng(0)
+        prompt = torch.tensor([rng.integers(3, 300, size=21).tolist()], device=target.device)
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 11)]
+        tree = Tree.build(rng.integers(3, 300, size=11).tolist(), parents)
+        outs = {}
+        for backend in _sdpa_backends_here(TEST_DEVICE, dtype):
+            with sdpa_kernel([backend, SDPBackend.MATH]):
+                got = []
+                for static in (False, True):
+                    cache = target.new_cache(256)
+                    positions = torch.arange(21, device=target.device)[None]
+                    target.forward(prompt, positions, cache)
+                    if static:
+                        padded = StaticVerifier(target, cache, 11, graphs=False, buckets=(16,))
+                        got.append(padded.forward(tree)[0].float())
+                    else:
+                        got.append(verify_tree(target, cache, tree)[0].float())
+                outs[backend] = got
+        reference = outs.pop(SDPBackend.MATH)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(reference[1], reference[0], rtol=tol, atol=tol)
+        for backend, got in outs.items():
+            for out, want in zip(got, reference, strict=True):
+                torch.testing.assert_close(out, want, rtol=tol, atol=tol, msg=str(backend))
+            tried += 1
+    if not tried:
+        pytest.skip(f"only the math SDPA backend runs on {TEST_DEVICE}: nothing to compare")

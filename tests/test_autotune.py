@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import TINY_VOCAB, make_tiny_target
 
 from dart_client import DartModel, ar_generate, dart_generate
@@ -179,3 +180,78 @@ def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> Non
     for bad in ("-1", "sixty", "1.5"):
         with pytest.raises(InvalidArgumentError, match="expected an integer >= 0 or 'auto'"):
             parse_tree_budget(bad)
+
+
+def test_verify_costs_warm_every_shape_before_timing(
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tree size (and the one-token forward) runs once before the first timed run:
+    a first run pays for new shapes (on cuda, plans and graph capture) that no step does."""
+    import time
+
+    import dart_client.decoding.autotune as autotune
+    from dart_client.decoding.static import StaticVerifier
+
+    events: list[Any] = []
+    verify, greedy_step = autotune.verify_tree, StaticVerifier.greedy_step
+
+    def counting_verify(t: Any, cache: Any, tree: Any) -> Any:
+        events.append(len(tree))
+        return verify(t, cache, tree)
+
+    def counting_step(self: Any, tree: Any) -> Any:
+        events.append(len(tree))
+        return greedy_step(self, tree)
+
+    monkeypatch.setattr(autotune, "verify_tree", counting_verify)
+    monkeypatch.setattr(StaticVerifier, "greedy_step", counting_step)
+
+    def clock() -> float:
+        events.append("clock")
+        return time.perf_counter()
+
+    dm = DartModel(target, head)
+    verify_ms, ar_ms = autotune._verify_costs(dm, [1, 4, 9], 20, 2, clock, 0)  # type: ignore[arg-type]
+    assert set(verify_ms) == {1, 4, 9} and ar_ms > 0
+    warm = events[: events.index("clock")]
+    assert {2, 5, 10} <= set(warm), warm
+    assert events.count("clock") == 2 * 2 * 4  # start and end of each timed run
+
+
+def test_the_tuning_clock_synchronises_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cuda the clock waits for the queued kernels before reading the time (else it
+    times their launch); on the CPU there is nothing to wait for."""
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    _Clock(torch.device("cuda"))()
+    assert calls == [torch.device("cuda")]
+    _Clock(torch.device("cpu"))()
+    assert len(calls) == 1
+
+
+def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
+    target: Any, head: DartHead
+) -> None:
+    base = DartModel(target)
+    ps = prompts(3, seed=9)
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
+    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths), tree_budget="auto")
+    tuning = autotune(
+        dm, prompts=ps, budgets=(2, 13), continuation_tokens=24, context_tokens=32, repeats=2,
+        batch=3,
+    )  # fmt: skip
+    assert tuning.batch == 3 and "of 3 rows" in tuning.table()
+    for p in tuning.curve:
+        # Every row's tokens count; the speedup is over fused AR of the same rows.
+        assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
+        assert p.speedup == pytest.approx(p.tokens_per_s * tuning.ar_forward_ms / 3e3)
+    assert tuning.point(13).tau > 1.5
+    got = dm.generate_batch(ps, max_new_tokens=20)
+    assert set(dm.batch_tree_tunings) == {3} and dm.tree_tuning is None
+    best = dm.batch_tree_tunings[3].best_budget
+    assert all(max(r.tree_sizes[1:]) <= best + 1 for r in got)
+    assert [r.tokens for r in got] == [
+        t[len(p) : len(p) + 20] for p, t in zip(ps, truths, strict=True)
+    ]
+    with pytest.raises(InvalidArgumentError, match="batch must be"):
+        autotune(dm, batch=0)

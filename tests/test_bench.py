@@ -189,7 +189,7 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     assert run(args, model=tiny_model) == 0
     record = json.loads((out / "results.json").read_text())
     methods = record["workloads"]["tiny"]["methods"]
-    expected = set(harness.METHODS)
+    expected = set(harness.METHODS) - {"eagle3"}  # not a default: it needs its own head
     if local_daemon.dart_ngram_binary() is None:
         expected.discard("dart-remote")
         assert any("dart-remote: skipped" in n for n in record["notes"])
@@ -222,6 +222,45 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     for name in ("speedup", "time_breakdown", "tau_histogram", "tree_budget"):
         png = (out / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_eagle3_method_end_to_end(tiny_model: DartModel, tmp_path: Path) -> None:
+    """``--methods eagle3``: EAGLE-3's drafter on the same target, at its own budget and at a
+    compared one, with tau, the draft cost per step and greedy equality in the report."""
+    prompts = tmp_path / "tiny.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("w5 w9 w17", "w40 w41")))
+    out = tmp_path / "out"
+    args = parser().parse_args(
+        [
+            "--workloads", str(prompts),
+            "--methods", "ar", "eagle3",
+            "--eagle3-head", "random",
+            "--eagle3-top-k", "3",
+            "--eagle3-depth", "2",
+            "--eagle3-total-tokens", "8",
+            "--max-new-tokens", "10",
+            "--repetitions", "1",
+            "--compare-budgets", "4",
+            "--output-dir", str(out),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    assert run(args, model=tiny_model) == 0
+    record = json.loads((out / "results.json").read_text())
+    methods = record["workloads"]["tiny"]["methods"]
+    # A compared budget runs both drafters at it, side by side.
+    assert set(methods) == {"ar", "eagle3", "eagle3@4", "dart@4"}
+    assert methods["dart@4"]["greedy_equal_ar"] == 2
+    assert any("EAGLE-3 head: an untrained random" in n for n in record["notes"])
+    for name in ("eagle3", "eagle3@4"):
+        assert methods[name]["greedy_equal_ar"] == 2, name
+        assert methods[name]["tau"] >= 1.0 and methods[name]["draft_ms_per_step"] > 0
+        assert methods[name]["stage_share"]["prune"] == 0.0  # its tree is draft forwards
+    # Trees of at most 8 nodes (7 + the root), or 5 at budget 4; fewer near the length cap.
+    assert methods["eagle3"]["mean_tree_nodes"] <= 8
+    assert methods["eagle3@4"]["mean_tree_nodes"] <= 5
+    assert methods["eagle3@4"]["mean_tree_nodes"] < methods["eagle3"]["mean_tree_nodes"]
+    assert "| eagle3@4 |" in (out / "results.md").read_text()
 
 
 def test_split_calibration_never_hands_the_tuner_a_measured_prompt() -> None:
@@ -262,3 +301,36 @@ def test_dart_cli_subcommands(capsys: Any) -> None:
         assert text in capsys.readouterr().out
     assert main(["generate", "--tree-budget", "lots", "hi"]) == 2
     assert "expected an integer >= 0 or 'auto'" in capsys.readouterr().err
+
+
+def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path) -> None:
+    from dart_client.apps.bench import batched
+
+    prompts = tmp_path / "tiny.jsonl"
+    texts = ("w5 w9 w17 w5 w9", "w40 w41", "w7 w7 w7", "w8 w30 w8", "w11", "w3 w4 w5 w6")
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in texts))
+    out = tmp_path / "batched.json"
+    args = batched.parser().parse_args(
+        [
+            "--workloads", str(prompts),
+            "--batch", "2",
+            "--groups", "2",
+            "--max-new-tokens", "10",
+            "--repetitions", "2",
+            "--batch-tree-budget", "auto",
+            "--clock", "thread",
+            "--continuous",
+            "--output", str(out),
+        ]
+    )  # fmt: skip
+    assert batched.run(args, model=tiny_model) == 0
+    summary = json.loads(out.read_text())["summary"]
+    rates = summary["tokens_per_second"]
+    assert set(rates) == {"dart-x1", "ar-x1", "ar-x2", "dart-x2"}
+    assert all(r > 0 for r in rates.values())
+    # float64: the batched greedy outputs equal each prompt decoded alone.
+    assert summary["identical_to_alone"] == {"ar-x2": "4/4", "dart-x2": "4/4"}
+    tuning = summary["batch_budget_tuning"]
+    assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
+    assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"
+    assert summary["continuous"] and len(json.loads(out.read_text())["groups"]) == 1

@@ -49,6 +49,7 @@ def test_bad_arguments_exit_2_before_loading(
         ["--top-p", "0", "--ar"],
         ["--max-new-tokens", "0", "--ar"],
         ["--tree-budget", "lots", "--ar"],
+        ["--static", "sometimes", "--ar"],
         ["--template", "nonesuch", "--ar"],
         ["--prompt-lookup", "-3", "--ar"],
         ["--device", "bogus", "--ar"],
@@ -124,6 +125,9 @@ def test_generate_prints_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out)
     assert len(record["tokens"]) <= 5 and record["finish_reason"] in ("eos", "length")
+    # --static on (the cuda default, chosen here on the CPU) decodes the same tokens.
+    assert main([*argv[:-1], "--static", "on", argv[-1]]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == record["tokens"]
 
 
 # ---- the n-gram's tokenizer ------------------------------------------------------------------

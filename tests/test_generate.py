@@ -578,7 +578,11 @@ def sampling_setup() -> tuple[DartModel, LikeliestSiblings, dict[tuple, float]]:
 
 
 def sample_siblings(
-    dm: DartModel, builder: LikeliestSiblings, n: int, monkeypatch: pytest.MonkeyPatch
+    dm: DartModel,
+    builder: LikeliestSiblings,
+    n: int,
+    monkeypatch: pytest.MonkeyPatch,
+    static: bool | str = "auto",
 ) -> tuple[Counter, SiblingCounts]:
     """``n`` seeded DART runs, each stopped once ``COMPARED`` tokens are out: with room for
     64 tokens the length limit never cuts a tree (all 12 nodes are verified every step)."""
@@ -589,7 +593,7 @@ def sample_siblings(
     for seed in range(n):
         tokens, _ = generate_tracked(
             dart_generate, dm, builder, until=COMPARED, input_ids=PROMPT, max_new_tokens=64,
-            seed=seed, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            seed=seed, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, static=static,
         )  # fmt: skip
         counts[tuple(tokens[:COMPARED])] += 1
     return counts, spy
@@ -625,6 +629,19 @@ def test_sampling_is_lossless(sampling_setup: Any, monkeypatch: pytest.MonkeyPat
         )  # fmt: skip
         ar_counts[tuple(r.tokens)] += 1
     assert chi_square_pvalue(ar_counts, exact, 400) > 1e-3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_is_lossless_on_the_static_path(
+    sampling_setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static path's padded forward (decoding.static) feeds the same recursive
+    rejection: the samples still follow the target's distribution."""
+    dm, builder, exact = sampling_setup
+    counts, spy = sample_siblings(dm, builder, SIBLING_SAMPLES, monkeypatch, static=True)
+    pvalue = chi_square_pvalue(counts, exact, SIBLING_SAMPLES)
+    check_sibling_power(spy, SIBLING_SAMPLES)
+    assert pvalue > 1e-3, f"static-path samples differ from the target (p={pvalue:.2e})"
 
 
 def uniform(gen: torch.Generator) -> float:

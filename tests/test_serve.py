@@ -139,10 +139,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     """Both servers, started together (they load while the first tests run):
 
     * ``main``: an API key, a queue for the load test;
+    * ``batched``: the same, decoding up to 4 requests together (continuous batching);
     * ``small``: a queue of one, an 8 s timeout, a 3 s shutdown grace, no API key."""
     tmp = tmp_path_factory.mktemp("serve")
     started = {
         "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256"),
+        "batched": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256", "--max-batch=4"),
         "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=3"),
     }
     yield started
@@ -153,6 +155,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 @pytest.fixture(scope="module")
 def server(servers: dict[str, Server]) -> Server:
     return ready(servers["main"])
+
+
+@pytest.fixture(scope="module")
+def batched(servers: dict[str, Server]) -> Server:
+    return ready(servers["batched"])
 
 
 @pytest.fixture(scope="module")
@@ -349,10 +356,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
     assert server.metric("dart_serve_requests_total", status="400") >= 8
 
 
-def test_load_every_output_is_the_greedy_one_none_lost(server: Server, reference: Any) -> None:
+@pytest.mark.parametrize("kind", ["main", "batched"])
+def test_load_every_output_is_the_greedy_one_none_lost(
+    kind: str, request: pytest.FixtureRequest, reference: Any
+) -> None:
     """32 concurrent clients, 48 requests over 8 prompts (chat and completions, streamed and
     not, DART and plain): every answer is its prompt's greedy output, every request answered
-    once, and the server's memory does not grow from one half of the load to the next."""
+    once, and the server's memory does not grow from one half of the load to the next; one
+    request at a time, and 4 decoded together."""
+    server = request.getfixturevalue("server" if kind == "main" else "batched")
     max_tokens = 8
     refs = {q: greedy(reference, max_tokens, messages=chat_messages(q)).text for q in QUESTIONS}
     client = server.client(timeout=300)
@@ -391,6 +403,41 @@ def test_load_every_output_is_the_greedy_one_none_lost(server: Server, reference
     assert sorted(seen) == list(range(48))
     assert rss[1] - rss[0] < 64, rss
     assert server.metric("dart_serve_queue_depth") == 0
+
+
+def test_batched_requests_join_and_leave_while_a_long_one_streams(
+    batched: Server, reference: Any
+) -> None:
+    """Continuous batching: short requests sent while a long one streams are answered (their
+    greedy output) before it ends; closing the long stream cancels it and frees its row."""
+    long = batched.client().completions.create(
+        model="dart-smollm2-135m-instruct",
+        prompt=COUNTING,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"speculative": False},
+    )
+    chunks = iter(long)
+    next(chunks)
+    client = batched.client()
+    q = QUESTIONS[0]
+    want = greedy(reference, 6, messages=chat_messages(q)).text
+    for _ in range(3):
+        resp = client.chat.completions.create(
+            model="dart-smollm2-135m-instruct",
+            messages=chat_messages(q),
+            max_tokens=6,
+            temperature=0,
+        )
+        assert resp.choices[0].message.content == want
+        next(chunks)  # the long one is still streaming
+    long.close()
+    wait_for(lambda: batched.metric("dart_serve_queue_depth") == 0)
+    resp = client.chat.completions.create(
+        model="dart-smollm2-135m-instruct", messages=chat_messages(q), max_tokens=6, temperature=0
+    )
+    assert resp.choices[0].message.content == want
 
 
 # -- the small server: queue of one, timeout, cancellation, shutdown -----------------------------

@@ -53,3 +53,22 @@ def test_profile_books_the_overhead_against_ar_forwards(tiny_ngram_path: Any) ->
     )
     for row in rows:
         assert row in text
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_profile_on_the_static_path(tiny_ngram_path: Any) -> None:
+    """``--static on`` (what ``--device cuda`` takes by default) runs the same profile, every
+    stage booked, outputs still AR's."""
+    pytest.importorskip("dart_client.ngram.pruner")
+    from dart_client.ngram import NGram
+
+    model = make_tiny_target("llama", seed=2)
+    head = DartHead.random_init(model.config, draft_length=3, seed=1).double()
+    dm = DartModel(
+        model, head, tokenizer=make_tiny_tokenizer(), ngram=NGram.open(str(tiny_ngram_path))
+    )
+    report = step_profile.profile(dm, ["w5 w17 w200", "w300"], max_new=12, static=True)
+    assert report["greedy_identical"] == 2 and report["steps"] > 0
+    stages = report["ms_per_step"]
+    assert stages["inputs"]["mean"] > 0 and stages["verify"]["mean"] > 0
+    assert stages["accept"]["mean"] > 0 and stages["compact"]["mean"] == 0  # in the replay

@@ -80,11 +80,11 @@ def test_a_target_on_one_device_stacks_its_cache() -> None:
 
     target = TargetModel(make_tiny_target("llama", layers=4).to("cpu"), cpu_kernels=False)
     try:
-        assert target._layer_devices() == {torch.device("cpu")}
+        assert target.layer_devices() == {torch.device("cpu")}
         assert target.new_cache(8).storage is not None
         # Layers spread over devices (a device map): no block, one buffer per layer.
         two = {torch.device("cpu"), torch.device("meta")}
-        target._layer_devices = lambda: two  # type: ignore[method-assign]
+        target.layer_devices = lambda: two  # type: ignore[method-assign]
         assert target.new_cache(8).storage is None
     finally:
         target.close()

@@ -18,7 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_client import DartModel, ar_generate, dart_generate
-from dart_client.apps.ui.race import RaceSettings, Side, race, render_pane, render_stats, step_texts
+from dart_client.apps.ui.race import (
+    RaceSettings,
+    Side,
+    race,
+    race_lanes,
+    render_pane,
+    render_stats,
+    step_texts,
+)
 from dart_client.models.head import DartHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,6 +57,25 @@ def test_race_reproduces_both_methods(model: DartModel) -> None:
     assert ar.seconds > 0 and dart.seconds > 0
     # Streamed: one update per step (min_interval 0), the two sides' steps interleaved.
     assert len(states) == len(ar.steps) + len(dart.steps) + 2
+
+
+def test_race_with_an_eagle3_lane(model: DartModel) -> None:
+    """A third lane drafts with EAGLE-3 on the same target; greedy, all three are AR's."""
+    from dart_client.apps.ui.app import build_app
+    from dart_client.models.eagle3 import Eagle3Head
+
+    head = Eagle3Head.random_init(model.target.config, seed=1, std=0.3)
+    eagle3 = DartModel(model.target, tokenizer=model.tokenizer, eagle3=head)
+    ids = model.encode_input(prompt="w5 w6 w7 w8")
+    settings = RaceSettings(max_new_tokens=16, tree_budget=6)
+    *_, final = race_lanes(model, ids, settings, eagle3, min_interval=0.0)
+    assert list(final) == ["ar", "dart", "eagle3"] and all(s.done for s in final.values())
+    want = [t for s in final["ar"].steps for t in s]
+    for name in ("dart", "eagle3"):
+        assert [t for s in final[name].steps for t in s] == want, name
+    assert max(final["eagle3"].tree_sizes) == 7  # the int budget, + the root
+    assert 'data-stat="tau"' in render_stats(final["eagle3"], final["ar"])
+    assert build_app(model, eagle3=eagle3) is not None
 
 
 def test_rendering_shades_accepted_runs(model: DartModel) -> None:

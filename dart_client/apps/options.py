@@ -79,6 +79,17 @@ def add_cpu_kernels_argument(g: Any) -> None:
     )
 
 
+def add_static_argument(g: Any) -> None:
+    """``--static auto|on|off`` (``args.static``): ``GenerationConfig.static``."""
+    g.add_argument(
+        "--static",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="verify through fixed-shape buffers, device-side acceptance and (on cuda) CUDA "
+        "graphs; auto (default): on cuda only (docs/gpu.md)",
+    )
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -95,6 +106,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
+    add_static_argument(g)
 
 
 def _tree_budget(value: str) -> int | str | None:
@@ -123,6 +135,7 @@ def generation_config(
             stop=tuple(args.stop or ()),
             seed=args.seed,
             tree_budget=args.tree_budget,
+            static=args.static,
         )
     except DartError as err:
         parser.error(str(err))

@@ -39,7 +39,16 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="use at most this many conversations")
     p.add_argument("--max-length", type=int, default=512, help="tokens per training window")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--draft-length", type=int, default=3, help="MASK slots m (rows = m + 1)")
+    p.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="train an EAGLE-3 draft model (training-time test) instead of a DART head",
+    )
+    p.add_argument(
+        "--draft-length",
+        type=int,
+        help="MASK slots m (rows = m + 1; default 3); with --eagle3 the TTT steps (default 7)",
+    )
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--anchors", type=int, default=24, help="MASK blocks per window")
     p.add_argument("--batch-size", type=int, default=1, help="windows per micro-batch")
@@ -50,7 +59,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--total-steps", type=int, default=1000, help="horizon of the cosine schedule")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=0.5)
-    p.add_argument("--gamma", type=float, default=0.6, help="annealed-KL decay per row")
+    p.add_argument(
+        "--gamma", type=float, help="annealed-KL decay per row (default 0.6; --eagle3: 0.8)"
+    )
     p.add_argument("--head-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--double-final-norm", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -102,6 +113,18 @@ def _train(args: argparse.Namespace) -> int:
     from dart_client.train.data import cached_training_set
     from dart_client.train.trainer import TrainConfig, Trainer, init_distributed
 
+    trainer_class = Trainer
+    if args.eagle3:
+        from dart_client.models.eagle3 import DEFAULT_TTT_STEPS
+        from dart_client.train.eagle3 import EAGLE3_GAMMA, Eagle3Trainer
+
+        trainer_class = Eagle3Trainer
+        draft_length = DEFAULT_TTT_STEPS if args.draft_length is None else args.draft_length
+        gamma = EAGLE3_GAMMA if args.gamma is None else args.gamma
+    else:
+        draft_length = 3 if args.draft_length is None else args.draft_length
+        gamma = 0.6 if args.gamma is None else args.gamma
+
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,7 +132,7 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     config = TrainConfig(
         output_dir=str(out),
-        draft_length=args.draft_length,
+        draft_length=draft_length,
         draft_vocab_size=args.draft_vocab_size,
         anchors=args.anchors,
         batch_size=args.batch_size,
@@ -120,7 +143,7 @@ def _train(args: argparse.Namespace) -> int:
         total_steps=args.total_steps,
         min_lr_ratio=args.min_lr_ratio,
         clip=args.clip,
-        gamma=args.gamma,
+        gamma=gamma,
         head_dtype=args.head_dtype,
         seed=args.seed,
         double_final_norm=args.double_final_norm,
@@ -161,16 +184,14 @@ def _train(args: argparse.Namespace) -> int:
     always = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     init_head = None
     if args.init_head:
-        from dart_client.models.head import DartHead
-
-        init_head = DartHead.from_pretrained(args.init_head)
+        init_head = trainer_class.head_class.from_pretrained(args.init_head)
         if init_head.config.draft_vocab_size != config.draft_vocab_size:
             raise DartError(
                 f"{args.init_head}: draft_vocab_size {init_head.config.draft_vocab_size}, "
                 f"but --draft-vocab-size is {config.draft_vocab_size}"
             )
         init_head.config.double_final_norm = config.double_final_norm
-    trainer = Trainer(config, model, train_set, always_in_vocab=always, head=init_head)
+    trainer = trainer_class(config, model, train_set, always_in_vocab=always, head=init_head)
     resumed = None
     if args.resume == "auto":
         resumed = trainer.latest_checkpoint()

@@ -33,10 +33,11 @@ import torch
 
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
-from dart_client.decoding.draft import DraftRows, draft_rows
+from dart_client.decoding.draft import DraftRows, draft_rows, draft_rows_batch
 from dart_client.decoding.loop import PRUNER_CONTEXT, generate
 from dart_client.decoding.prune import build_tree
-from dart_client.decoding.verify import Tree, verify_tree
+from dart_client.decoding.static import StaticVerifier, resolve_static, static_capacity
+from dart_client.decoding.verify import Tree, verify_tree, verify_trees
 from dart_client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class TreeBudgetTuning:
     threads: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    #: Rows decoded together (1: one sequence); tokens/s and the AR forward are the batch's.
+    batch: int = 1
 
     def point(self, budget: int) -> BudgetPoint:
         for p in self.curve:
@@ -135,7 +138,8 @@ class TreeBudgetTuning:
                 f"{p.tau:.2f} | {p.tokens_per_s:.1f} | {p.speedup:.2f}x |"
             )
         lines.append(
-            f"\nOne autoregressive forward: {self.ar_forward_ms:.2f} ms at "
+            f"\nOne autoregressive forward{f' of {self.batch} rows' if self.batch > 1 else ''}: "
+            f"{self.ar_forward_ms:.2f} ms at "
             f"{self.context_tokens} cached tokens ({self.device}, {self.dtype}, "
             f"{self.threads} threads); {self.calibration_tokens} calibration tokens over "
             f"{self.calibration_prompts} prompts; tuned in {self.seconds:.1f} s."
@@ -152,8 +156,14 @@ def autotune(
     context_tokens: int = 256,
     repeats: int = 3,
     seed: int = 0,
+    batch: int = 1,
 ) -> TreeBudgetTuning:
     """Measure the cost and the acceptance of each budget and choose the fastest.
+
+    ``batch`` > 1 tunes the per-row budget of fused batched decoding
+    (:mod:`dart_client.decoding.batch`): each row accepts what a lone sequence does, and a
+    step costs one head forward and one target forward over ``batch`` rows (measured on a
+    batched cache) plus ``batch`` pruner calls; tokens/s count every row.
 
     ``prompts`` are text (chat-formatted with the model's template when it has one) or token
     ids; without them a few built-in prompts are used (random token ids for a model without a
@@ -169,9 +179,11 @@ def autotune(
         raise InvalidArgumentError(f"continuation_tokens must be >= 2, got {continuation_tokens}")
     if repeats < 1:
         raise InvalidArgumentError(f"repeats must be >= 1, got {repeats}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidArgumentError(f"batch must be an int >= 1, got {batch!r}")
     start = time.perf_counter()
     encoded = _calibration_ids(model, prompts, seed)
-    clock = _Clock(model.target.device)
+    clock = _Clock(model.target.device, model.target.clock)
 
     steps: dict[int, list[int]] = {b: [] for b in clean}
     draft_times: list[float] = []
@@ -186,15 +198,21 @@ def autotune(
             steps[b].extend(lengths)
             prune_times[b].extend(seconds)
 
-    verify, ar_ms = _verify_costs(model, clean, context_tokens, repeats, clock, seed)
-    draft_ms = 1e3 * statistics.median(draft_times) if draft_times else 0.0
+    if batch == 1:
+        verify, ar_ms = _verify_costs(model, clean, context_tokens, repeats, clock, seed)
+        draft_ms = 1e3 * statistics.median(draft_times) if draft_times else 0.0
+    else:
+        verify, ar_ms, draft_ms = _batch_costs(
+            model, clean, context_tokens, repeats, clock, seed, batch
+        )
     notes: list[str] = []
     curve = []
     for b in clean:
         tau = statistics.fmean(steps[b]) if steps[b] else 1.0
         prune_ms = 1e3 * statistics.median(prune_times[b]) if prune_times[b] else 0.0
+        prune_ms *= batch  # one call per row (at most: prune_batch runs them in parallel)
         step = verify[b] + prune_ms + draft_ms
-        tps = 1e3 * tau / step
+        tps = 1e3 * batch * tau / step
         curve.append(
             BudgetPoint(
                 budget=b,
@@ -203,7 +221,7 @@ def autotune(
                 draft_ms=draft_ms,
                 tau=tau,
                 tokens_per_s=tps,
-                speedup=tps * ar_ms / 1e3,
+                speedup=tps * ar_ms / (1e3 * batch),
             )
         )
     # Ties (e.g. an untrained head, tau 1 everywhere) go to the smaller, cheaper tree.
@@ -222,11 +240,21 @@ def autotune(
         threads=torch.get_num_threads(),
         seconds=time.perf_counter() - start,
         notes=notes,
+        batch=batch,
     )
 
 
-def auto_budget(model: DartModel, **kwargs: Any) -> int:
-    """The tuned budget of ``model``, tuning once (the result stays in ``model.tree_tuning``)."""
+def auto_budget(model: DartModel, batch: int = 1, **kwargs: Any) -> int:
+    """The tuned budget of ``model``, tuning once (the result stays in ``model.tree_tuning``;
+    a batch size's in ``model.batch_tree_tunings[batch]``)."""
+    if batch > 1:
+        tunings = getattr(model, "batch_tree_tunings", None)
+        if tunings is None:
+            tunings = {}
+            model.batch_tree_tunings = tunings  # type: ignore[attr-defined]
+        if batch not in tunings:
+            tunings[batch] = autotune(model, batch=batch, **kwargs)
+        return int(tunings[batch].best_budget)
     tuning = getattr(model, "tree_tuning", None)
     if tuning is None:
         tuning = autotune(model, **kwargs)
@@ -238,14 +266,18 @@ def auto_budget(model: DartModel, **kwargs: Any) -> int:
 
 
 class _Clock:
-    def __init__(self, device: torch.device) -> None:
+    """Seconds on ``read`` (the target's clock: wall time unless a profile on a shared
+    machine chose its thread's CPU time), after the device's queued work."""
+
+    def __init__(self, device: torch.device, read: Any = time.perf_counter) -> None:
         self.sync = device.type == "cuda"
         self.device = device
+        self.read = read
 
     def __call__(self) -> float:
         if self.sync:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return float(self.read())
 
 
 def _check_budget(b: Any) -> int:
@@ -385,7 +417,11 @@ def _matched_depth(tree: Tree, seq: list[int], root: int) -> int:
     return depth
 
 
-def _prefilled(model: DartModel, context_tokens: int, seed: int) -> tuple[Any, int]:
+def _prefilled(
+    model: DartModel, context_tokens: int, seed: int, max_tree: int = 255
+) -> tuple[Any, int]:
+    """A cache prefilled with ``context_tokens`` random tokens, room for a tree of
+    ``max_tree`` nodes after them (on the static path's terms where generation takes it)."""
     target = model.target
     limit = target.max_positions or 1 << 30
     n = max(1, min(context_tokens, limit - 128))
@@ -395,7 +431,8 @@ def _prefilled(model: DartModel, context_tokens: int, seed: int) -> tuple[Any, i
         dtype=torch.long,
         device=target.device,
     )
-    cache = target.new_cache(n + 256)
+    static = resolve_static("auto", target.layer_devices())
+    cache = target.new_cache(static_capacity(n + 1, max_tree) if static else n + 1 + max_tree)
     target.forward(ids, torch.arange(n, device=target.device).unsqueeze(0), cache, taps=False)
     return cache, n
 
@@ -420,20 +457,35 @@ def _verify_costs(
     """Median milliseconds of one tree verification forward per budget, and of one
     autoregressive forward (one token, no taps: what ``ar_generate`` runs)."""
     target = model.target
-    cache, n = _prefilled(model, context_tokens, seed)
+    max_tree = max(budgets) + 1
+    cache, n = _prefilled(model, context_tokens, seed, max_tree)
     rng = np.random.default_rng(seed + 1)
     trees = {b: _random_tree(b + 1, rng, target.vocab_size) for b in budgets}
     token = torch.tensor([[1]], dtype=torch.long, device=target.device)
     position = torch.tensor([[n]], dtype=torch.long, device=target.device)
+    # Where generation takes the static path (cuda), time what a step runs there: the
+    # padded forward, acceptance and compaction of the tree's bucket (a graph replay).
+    static = None
+    if resolve_static("auto", target.layer_devices()):
+        graphs = target.device.type == "cuda"
+        static = StaticVerifier(target, cache, max_tree, graphs=graphs)
 
     def ar_forward() -> None:
-        target.forward(token, position, cache, logits_to_keep=1, taps=False)
+        if static is not None:
+            static.greedy_step(Tree.root_only(1))
+        else:
+            target.forward(token, position, cache, logits_to_keep=1, taps=False)
 
     def tree_forward(b: int) -> Any:
+        if static is not None:
+            return lambda: static.greedy_step(trees[b])
         return lambda: verify_tree(target, cache, trees[b])
 
     runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    for run in (runs[-1], runs[budgets[-1]]):  # warm-up
+    # Every shape once before any is timed: a first run pays for new shapes (attention
+    # plans, allocations, kernel choices; on cuda the graph capture), which no later
+    # step does.
+    for run in runs.values():
         run()
         cache.truncate(n)
     samples: dict[int, list[float]] = {b: [] for b in runs}
@@ -447,6 +499,64 @@ def _verify_costs(
             cache.truncate(n)
     ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
     return {b: ms[b] for b in budgets}, ms[-1]
+
+
+@torch.no_grad()
+def _batch_costs(
+    model: DartModel,
+    budgets: Sequence[int],
+    context_tokens: int,
+    repeats: int,
+    clock: _Clock,
+    seed: int,
+    batch: int,
+) -> tuple[dict[int, float], float, float]:
+    """For ``batch`` rows decoded together: median milliseconds of one fused verification
+    per budget (a tree of budget + 1 nodes in every row), of one fused autoregressive step,
+    and of one fused draft (the head over one new position per row)."""
+    target, head = model.target, model.head
+    assert head is not None
+    single, n = _prefilled(model, context_tokens, seed)
+    cache = target.new_cache(n + 256, batch)
+    for row in range(batch):
+        cache.put_row(row, single)
+    rng = np.random.default_rng(seed + 1)
+    trees = {b: [_random_tree(b + 1, rng, target.vocab_size)] * batch for b in budgets}
+    roots = [Tree.root_only(1)] * batch
+    # The head: its cache holds the context's positions (the taps of one forward over it).
+    ids = torch.tensor([rng.integers(0, target.vocab_size, size=n + 1).tolist()])
+    ids = ids.to(target.device)
+    _, taps = target.forward(ids[:, :n], torch.arange(n).unsqueeze(0), target.new_cache(n))
+    assert taps is not None
+    lone = head.new_cache(n + head.config.draft_length)
+    head(taps.to(head.fc.weight.dtype), ids[:, 1:], lone, num_masks=0)
+    head_cache = head.new_cache(n + 4 * repeats + 2 * head.config.draft_length + 8, batch)
+    for row in range(batch):
+        head_cache.put_row(row, lone)
+    row_taps = [taps[0, -1:]] * batch
+
+    def draft() -> None:
+        draft_rows_batch(head, head_cache, row_taps, [[1]] * batch, model.draft_top_k)
+
+    def ar_forward() -> None:
+        verify_trees(target, cache, roots, taps=False)
+
+    def tree_forward(b: int) -> Any:
+        return lambda: verify_trees(target, cache, trees[b])
+
+    runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
+    for run in runs.values():  # every shape once before any is timed, as _verify_costs
+        run()
+        cache.truncate(n)
+    samples: dict[int, list[float]] = {b: [] for b in runs}
+    for _ in range(repeats):
+        for b, run in runs.items():
+            t0 = clock()
+            run()
+            samples[b].append(clock() - t0)
+            cache.truncate(n)  # the rows' lengths never moved: only the frontier did
+    ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
+    return {b: ms[b] for b in budgets}, ms[-1], ms[-2]
 
 
 # -- the tuning cache ---------------------------------------------------------------------------

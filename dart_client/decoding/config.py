@@ -24,6 +24,7 @@ __all__ = [
     "DEPRECATED_NAMES",
     "GenerationConfig",
     "config_from",
+    "parse_static",
     "parse_tree_budget",
     "resolve_tree_budget",
 ]
@@ -50,7 +51,10 @@ class GenerationConfig:
       ``DartModel.tune()`` measures fastest, None for the model's default; see
       :func:`resolve_tree_budget`);
     - ``prompt_lookup``: None for the model's setting, else a path length (0: off) or a
-      :class:`~dart_client.decoding.lookup.PromptLookupConfig` for this call.
+      :class:`~dart_client.decoding.lookup.PromptLookupConfig` for this call;
+    - ``static``: verify through fixed-shape buffers with device-side greedy acceptance
+      and, on cuda, CUDA graphs (:mod:`dart_client.decoding.static`); ``"auto"``: on cuda
+      only. The outputs are the same either way (up to floating-point rounding).
     """
 
     max_new_tokens: int = 512
@@ -62,6 +66,7 @@ class GenerationConfig:
     seed: int | None = None
     tree_budget: int | str | None = None
     prompt_lookup: int | PromptLookupConfig | None = _MODEL_DEFAULT
+    static: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -73,6 +78,7 @@ class GenerationConfig:
         object.__setattr__(self, "tree_budget", parse_tree_budget(self.tree_budget))
         if self.prompt_lookup is not None:
             parse_prompt_lookup(self.prompt_lookup)
+        object.__setattr__(self, "static", parse_static(self.static))
 
     @property
     def sampling(self) -> SamplingParams:
@@ -149,6 +155,19 @@ def parse_tree_budget(value: str | int | None) -> int | str | None:
     if budget < 0:
         raise InvalidArgumentError(f"tree budget {value!r}: expected an integer >= 0 or 'auto'")
     return budget
+
+
+def parse_static(value: bool | str) -> bool | str:
+    """``static`` as given (a command-line string too): True, False or ``"auto"``."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else None
+    choices = {"auto": "auto", "on": True, "true": True, "off": False, "false": False}
+    if text not in choices:
+        raise InvalidArgumentError(
+            f"static = {value!r}; expected True, False or 'auto' ('on'/'off' as text)"
+        )
+    return choices[text]
 
 
 def resolve_tree_budget(

@@ -10,6 +10,7 @@ order ties differently, which changes the draft, never the output).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,11 @@ def draft_rows(
     (1, r) the token following each (the last is the token just sampled).
     """
     logits = head(taps.to(head.fc.weight.dtype), next_ids, cache, num_masks=num_masks)[0]
+    return top_k_draft(head, logits, k)
+
+
+def top_k_draft(head: DartHead, logits: torch.Tensor, k: int) -> DraftRows:
+    """The top-k of draft ``logits`` (rows, draft_vocab) as :class:`DraftRows`."""
     k = min(k, logits.shape[-1])
     d2t = head.draft_to_target_numpy
     if logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES:
@@ -64,3 +70,51 @@ def draft_rows(
     probs = torch.softmax(top.values.float(), dim=-1)
     ids = d2t[top.indices.cpu().numpy()].astype(np.int64)
     return DraftRows(ids=ids, probs=probs.cpu().numpy())
+
+
+@torch.no_grad()
+def draft_rows_batch(
+    head: DartHead,
+    cache: HeadCache,
+    taps: Sequence[torch.Tensor],
+    next_ids: Sequence[Sequence[int]],
+    k: int,
+) -> list[DraftRows]:
+    """:func:`draft_rows` for every live row of a batched head cache in one head forward.
+
+    Row b brings ``taps[b]`` (r_b, 3H) and ``next_ids[b]`` (r_b tokens). The rows are
+    left-padded to the longest r, so that each row's last real position and mask slots are
+    the forward's last ``m + 1`` rows; a padding entry sees only itself and nothing sees it.
+    Each row's positions continue its own length; afterwards the cache holds each row's
+    real positions only.
+    """
+    device = cache_device = taps[0].device
+    lengths = torch.tensor(cache.rows.lengths, dtype=torch.long, device=device)
+    b = len(taps)
+    m = head.config.draft_length
+    width = max(t.shape[0] for t in taps)
+    n = width + m
+    pads = [width - t.shape[0] for t in taps]
+    dtype = head.fc.weight.dtype
+    padded = torch.zeros((b, width, taps[0].shape[-1]), dtype=dtype, device=device)
+    ids = torch.zeros((b, width), dtype=torch.long, device=device)
+    for row, (t, nxt, pad) in enumerate(zip(taps, next_ids, pads, strict=True)):
+        padded[row, pad:] = t.to(dtype)
+        ids[row, pad:] = torch.tensor(list(nxt), dtype=torch.long)
+    pad = torch.tensor(pads, dtype=torch.long, device=device).unsqueeze(1)
+    slot = torch.arange(n, device=device).unsqueeze(0)
+    real = slot >= pad  # (b, n): not padding
+    positions = lengths.unsqueeze(1) + (slot - pad).clamp_min(0)
+    past = cache.length
+    sees = (slot.unsqueeze(2) >= slot.unsqueeze(1)) & real.unsqueeze(1)  # (b, query, key)
+    sees |= torch.eye(n, dtype=torch.bool, device=device)
+    blocked = torch.finfo(dtype).min
+    mask = torch.zeros((b, n, past + n), dtype=dtype, device=cache_device)
+    mask[:, :, past:].masked_fill_(~sees, blocked)
+    mask[:, :, :past].masked_fill_(cache.rows.stale(past, device).unsqueeze(1), blocked)
+    logits = head(padded, ids, cache, positions=positions, mask=mask.unsqueeze(1))
+    cache.keep_rows(past, [range(p, width) for p in pads], device)
+    rows = top_k_draft(head, logits.reshape(b * (m + 1), -1), k)
+    kk = rows.ids.shape[-1]
+    ids3, probs3 = rows.ids.reshape(b, m + 1, kk), rows.probs.reshape(b, m + 1, kk)
+    return [DraftRows(ids=ids3[i], probs=probs3[i]) for i in range(b)]

@@ -6,6 +6,8 @@ One DART step, as one token's trip reads top to bottom:
               (:mod:`dart_client.decoding.draft`), top-k per row;
 2. prune   -- the Rust pruner turns the rows into a draft tree (node 0 = the token just
               sampled), its size shrunk near ``max_length`` / ``max_new_tokens``;
+   (steps 1 and 2 are a :class:`Drafter`'s: DART's, or EAGLE-3's, whose tree grows by
+   draft-model forwards, :mod:`dart_client.decoding.eagle3`)
 3. verify  -- one target forward over every node (:mod:`dart_client.decoding.verify`);
 4. accept  -- greedy or recursive rejection (:mod:`dart_client.decoding.accept`); the
               accepted nodes' K/V are compacted in place and their taps feed the next draft.
@@ -27,12 +29,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dart_client.decoding.accept import Acceptance, accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.accept import accept_greedy, accept_sampling, greedy_token
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.decoding.prune import TreeBuilder, build_tree
 from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
+from dart_client.decoding.static import (
+    StaticVerifier,
+    lend_cache,
+    resolve_static,
+    return_cache,
+    static_capacity,
+    static_head_capacity,
+    verifier_for,
+)
 from dart_client.decoding.verify import Tree, verify_tree
 from dart_client.errors import ContextTooLongError, EmptyPromptError, InvalidArgumentError
 
@@ -104,7 +115,8 @@ class GenerationResult:
     step's time in exactly one of
 
     * ``draft``   -- the head forward over the last step's accepted positions, top-k, the
-      transfer of the rows to the CPU (DART only);
+      transfer of the rows to the CPU (DART); for EAGLE-3 also the tree's growth, which is
+      draft-model forwards (its ``prune`` is then zero);
     * ``prune``   -- the tree builder (the Rust pruner, in-process or remote) and its inputs;
     * ``inputs``  -- everything around the target's forward call: node ids, positions, the
       attention mask, the gathered taps;
@@ -171,6 +183,67 @@ class GenerationStream:
                 yield event
 
 
+class Drafter(Protocol):
+    """What drafts a step's tree from the target's taps at the accepted positions: DART's
+    head + pruner (:class:`DartDrafter`) or EAGLE-3's head (``Eagle3Drafter``). One per
+    generation; the loop owns its cache (kept across turns by a :class:`PrefixCache`)."""
+
+    #: The stage :meth:`tree` is timed under: ``"prune"`` (DART: the pruner) or
+    #: ``"draft"`` (EAGLE-3: the tree grows by draft-model forwards).
+    tree_stage: str
+
+    def cache_capacity(self, max_length: int) -> int: ...
+
+    def new_cache(self, capacity: int) -> Any: ...
+
+    def feed(self, cache: Any, taps: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """Read r new real positions: the target's ``taps`` (1, r, 3H) and the token after
+        each, ``next_ids`` (1, r) (the last is the token just sampled)."""
+        ...
+
+    def tree(self, context: np.ndarray, budget: int, lookup_path: np.ndarray | None = None) -> Tree:
+        """The draft tree under root ``context[-1]``, at most ``budget`` nodes besides it."""
+        ...
+
+
+class DartDrafter:
+    """DART's :class:`Drafter`: the head's rows (:func:`draft_rows`) pruned into a tree."""
+
+    tree_stage = "prune"
+
+    def __init__(self, head: DartHead, builder: TreeBuilder, top_k: int) -> None:
+        self.head = head
+        self.builder = builder
+        self.top_k = top_k
+        self.rows: DraftRows | None = None
+
+    def cache_capacity(self, max_length: int) -> int:
+        return max_length + self.head.config.draft_length
+
+    def new_cache(self, capacity: int) -> Any:
+        return self.head.new_cache(capacity)
+
+    def feed(self, cache: Any, taps: torch.Tensor, next_ids: torch.Tensor) -> None:
+        self.rows = draft_rows(self.head, cache, taps, next_ids, self.top_k)
+
+    def tree(self, context: np.ndarray, budget: int, lookup_path: np.ndarray | None = None) -> Tree:
+        if self.rows is None:
+            raise RuntimeError("feed() the accepted positions before building a tree")
+        return build_tree(self.builder, context, self.rows, budget, lookup_path)
+
+
+def new_drafter(model: DecodingModel) -> Drafter | None:
+    """The model's drafter for one generation (its ``new_drafter()`` when it has one), else
+    DART's from its head and tree builder; None when it has neither."""
+    factory = getattr(model, "new_drafter", None)
+    if factory is not None:
+        drafter: Drafter | None = factory()
+        return drafter
+    if model.head is None or model.tree_builder is None:
+        return None
+    return DartDrafter(model.head, model.tree_builder, model.draft_top_k)
+
+
 class DecodingModel(Protocol):
     """What the loop reads of a model (``DartModel`` has it all)."""
 
@@ -207,9 +280,31 @@ def generate(
     None for the tree builder's own limit: see ``DartModel.generate``); the room left for new
     tokens caps it. ``stream=True`` returns a :class:`GenerationStream`.
     """
+    run = new_run(model, config, mode, prompt, messages, input_ids, prefix_cache)
+    if stream:
+        return GenerationStream(run.events())
+    result = None
+    for event in run.events():
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+def new_run(
+    model: DecodingModel,
+    config: GenerationConfig,
+    mode: str,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    input_ids: Any = None,
+    prefix_cache: PrefixCache | None = None,
+) -> _Run:
+    """One generation's validated state (what :func:`generate` and a batch's row share)."""
     if mode not in ("dart", "ar"):
         raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
-    if mode == "dart" and (model.head is None or model.tree_builder is None):
+    drafter = new_drafter(model) if mode == "dart" else None
+    if mode == "dart" and drafter is None:
         raise InvalidArgumentError(
             "this DartModel has no draft head / n-gram pruner: use ar_generate, or load one"
         )
@@ -238,8 +333,13 @@ def generate(
             f"the prompt has {len(ids)} tokens; {bound} ({max_length}) leaves no room for a "
             f"new token (raise max_length above {len(ids)} or shorten the prompt)"
         )
-    run = _Run(
+    # The static path drafts with a DART head (its graphs hold the head's forward): another
+    # drafter runs on the dynamic path.
+    static = resolve_static(config.static, model.target.layer_devices())
+    static = static and (drafter is None or isinstance(drafter, DartDrafter))
+    return _Run(
         model,
+        drafter,
         mode,
         ids,
         config.sampling,
@@ -250,15 +350,8 @@ def generate(
         config.seed,
         lookup if mode == "dart" else None,
         prefix_cache,
+        static,
     )
-    if stream:
-        return GenerationStream(run.events())
-    result = None
-    for event in run.events():
-        if isinstance(event, GenerationResult):
-            result = event
-    assert result is not None
-    return result
 
 
 class _Run:
@@ -267,6 +360,7 @@ class _Run:
     def __init__(
         self,
         model: DecodingModel,
+        drafter: Drafter | None,
         mode: str,
         ids: list[int],
         params: SamplingParams,
@@ -277,8 +371,11 @@ class _Run:
         seed: int | None,
         lookup: PromptLookupConfig | None,
         prefix_cache: PrefixCache | None = None,
+        static: bool = False,
     ) -> None:
         self.model = model
+        self.drafter = drafter
+        self.static = static
         self.prefix_cache = prefix_cache
         self.target = model.target
         self.mode = mode
@@ -319,11 +416,23 @@ class _Run:
     def events(self) -> Iterator[StreamEvent | GenerationResult]:
         start = self._clock()
         target = self.target
-        head = self.model.head if self.mode == "dart" else None
+        drafter = self.drafter
+        # The DART head, which the static path drafts with (another drafter never runs it).
+        head = drafter.head if isinstance(drafter, DartDrafter) else None
         prompt_len = len(self.prompt)
         kept = self.prefix_cache
-        head_capacity = None if head is None else self.max_length + head.config.draft_length
-        begin = kept._start(self.prompt, self.max_length, head_capacity) if kept else 0
+        head_capacity = None if drafter is None else drafter.cache_capacity(self.max_length)
+        # The largest tree this generation can verify (root included).
+        max_tree = min(self.max_length - prompt_len, self.max_new)
+        if drafter is not None and self.tree_budget is not None:
+            max_tree = min(max_tree, self.tree_budget + 1)
+        capacity = static_capacity(self.max_length, max_tree) if self.static else self.max_length
+        begin = kept._start(self.prompt, capacity, head_capacity) if kept else 0
+        if begin and self.static and head is not None:
+            assert kept is not None
+            needed = static_head_capacity(kept.cache.capacity, head.config.draft_length)
+            if kept.head_cache.capacity != needed:
+                begin = 0  # a head cache of the dynamic path: the static draft cannot use it
         if kept is not None:
             # Until this generation ends the caches change under the recorded tokens: an
             # interrupted generation leaves nothing to reuse.
@@ -332,12 +441,33 @@ class _Run:
             assert kept is not None
             cache = kept.cache
             cache.truncate(begin)
+        elif self.static and kept is None:
+            cache = lend_cache(target, capacity)
         else:
-            cache = target.new_cache(self.max_length)
+            cache = target.new_cache(capacity)
+        try:
+            yield from self._generate(start, cache, drafter, head, head_capacity, begin, max_tree)
+        finally:
+            if self.static and kept is None:
+                return_cache(cache)
+
+    def _generate(
+        self,
+        start: float,
+        cache: Any,
+        drafter: Drafter | None,
+        head: DartHead | None,
+        head_capacity: int | None,
+        begin: int,
+        max_tree: int,
+    ) -> Iterator[StreamEvent | GenerationResult]:
+        target = self.target
+        kept = self.prefix_cache
+        prompt_len = len(self.prompt)
         ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
         positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
         logits, taps = target.forward(
-            ids, positions, cache, logits_to_keep=1, taps=head is not None
+            ids, positions, cache, logits_to_keep=1, taps=drafter is not None
         )
         first = self._pick(logits[0, -1])
         t = self._clock()
@@ -348,23 +478,41 @@ class _Run:
             self.timings[stage] += seconds
         yield event
 
-        rows: DraftRows | None = None
+        static: StaticVerifier | None = None
+        if self.static and self.finish is None:
+            graphs = self.device.type == "cuda"
+            static = verifier_for(
+                target,
+                cache,
+                max_tree,
+                graphs=graphs,
+                head=head,
+                top_k=self.model.draft_top_k,
+                head_cache=kept.head_cache if begin > 0 and head is not None else None,
+            )
+            static.clear_tail()
+        static_greedy = static is not None and self.params.greedy
         head_cache = None
-        # What the next draft reads: the last forward's taps and the accepted nodes' tokens.
+        # What the next draft reads: the last forward's taps, the accepted nodes among them
+        # and the accepted nodes' tokens.
         pending: tuple[torch.Tensor, list[int], list[int]] | None = None
-        if head is not None and self.finish is None:
+        if drafter is not None and self.finish is None:
             assert taps is not None
             t = self._clock()
             if begin > 0:
                 assert kept is not None
                 head_cache = kept.head_cache
                 head_cache.truncate(begin)
+            elif static is not None:
+                head_cache = static.head_cache
+                assert head_cache is not None
+                head_cache.truncate(0)
             else:
-                head_cache = head.new_cache(head_capacity)
+                head_cache = drafter.new_cache(head_capacity)
             next_ids = torch.tensor(
                 [[*self.prompt[begin + 1 :], first]], dtype=torch.long, device=self.device
             )
-            rows = draft_rows(head, head_cache, taps, next_ids, self.model.draft_top_k)
+            drafter.feed(head_cache, taps, next_ids)
             # The head's pass over the whole prompt is prefill work, not a per-step draft.
             self.timings["prefill"] += self._clock() - t
 
@@ -372,70 +520,67 @@ class _Run:
             step: dict[str, float] = {}
             t = self._clock()
             if pending is not None:
-                assert head is not None and head_cache is not None
+                assert drafter is not None and head_cache is not None
                 step_taps, nodes, new = pending
                 index = torch.tensor(nodes, dtype=torch.long, device=self.device)
                 next_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-                rows = draft_rows(
-                    head,
-                    head_cache,
-                    step_taps.index_select(1, index),
-                    next_ids,
-                    self.model.draft_top_k,
-                )
+                drafter.feed(head_cache, step_taps.index_select(1, index), next_ids)
                 pending = None
                 t = self._lap(t, "draft", step)
-            room = min(
-                self.max_length - prompt_len - len(self.generated),
-                self.max_new - len(self.generated),
-            )
             cache_len = cache.length
             root = self.generated[-1]
-            budget = room - 1  # leaves room for the bonus token
-            if self.tree_budget is not None:
-                budget = min(budget, self.tree_budget)
-            if head is not None and rows is not None and budget > 0:
-                assert self.model.tree_builder is not None
-                context = np.asarray(
-                    self.generated[-PRUNER_CONTEXT:]
-                    if len(self.generated) >= PRUNER_CONTEXT
-                    else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
-                    dtype=np.int64,
-                )
-                path = None
-                index = self.lookup_index
-                if index is not None:
-                    assert self.lookup is not None
-                    index.extend(self.generated[len(index) - prompt_len :])
-                    path = self.lookup.path(index, budget)
-                tree = build_tree(self.model.tree_builder, context, rows, budget, path)
+            budget = self.tree_budget_now()
+            tree_stage = "prune" if drafter is None else drafter.tree_stage
+            if drafter is not None and budget > 0:
+                context, path = self.pruner_inputs(budget)
+                tree = drafter.tree(context, budget, path)
             else:
                 tree = Tree.root_only(root)
-            t = self._lap(t, "prune", step)
-            logits, taps = (
-                verify_tree(target, cache, tree)
-                if head is not None
-                else self._ar_forward(cache, root)
-            )
-            forward = target.last_forward_seconds
-            t2 = self._clock()
-            step["inputs"] = t2 - t - forward
-            step["verify"] = forward
-            t = t2
-            acc: Acceptance = (
-                accept_greedy(tree, logits)
-                if self.params.greedy
-                else accept_sampling(tree, logits, self.params, self.generator)
-            )
-            t = self._lap(t, "accept", step)
-            cache.keep(cache_len, acc.nodes, self.device)
-            t = self._lap(t, "compact", step)
+            t = self._lap_add(t, tree_stage, step)
+            if static_greedy:
+                assert static is not None
+                # One copy in, one graph (forward, acceptance, compaction), one copy out.
+                loaded = static.load(tree)
+                t = self._lap(t, "inputs", step)
+                out = static.run_greedy(loaded)
+                t = self._lap(t, "verify", step)
+                outcome = static.accepted(loaded, out, tree)
+                acc = outcome.acceptance
+                if outcome.rows is not None:
+                    # Drafted in the same replay: no draft stage (static: DART's drafter).
+                    assert isinstance(drafter, DartDrafter)
+                    drafter.rows = outcome.rows
+                t = self._lap(t, "accept", step)
+            else:
+                if static is not None:
+                    logits, taps = static.forward(tree)
+                    t = self._lap(t, "verify", step)
+                else:
+                    logits, taps = (
+                        verify_tree(target, cache, tree)
+                        if drafter is not None
+                        else self._ar_forward(cache, root)
+                    )
+                    forward = target.last_forward_seconds
+                    t2 = self._clock()
+                    step["inputs"] = t2 - t - forward
+                    step["verify"] = forward
+                    t = t2
+                acc = (
+                    accept_greedy(tree, logits)
+                    if self.params.greedy
+                    else accept_sampling(tree, logits, self.params, self.generator)
+                )
+                t = self._lap(t, "accept", step)
+                cache.keep(cache_len, acc.nodes, self.device)
+                t = self._lap(t, "compact", step)
             new = acc.new_tokens
             event = self._emit(new, len(new), len(tree), step)
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
-            if self.finish is None and head is not None:
+            # (A static greedy step drafted the next rows in its replay already.)
+            if self.finish is None and drafter is not None and not static_greedy:
                 assert taps is not None
                 pending = (taps, acc.nodes, new)
             yield event
@@ -443,25 +588,62 @@ class _Run:
         if kept is not None:
             kept.tokens = (self.prompt + self.generated)[: cache.length]
             kept.cache, kept.head_cache, kept.reused = cache, head_cache, begin
+        yield self.result(start)
+
+    def result(self, start: float) -> GenerationResult:
+        """The generation's result, ``start`` (on :meth:`_clock`) being when it began."""
         text = self._text()
-        elapsed = self._clock() - start
-        yield GenerationResult(
+        return GenerationResult(
             text=text,
             tokens=list(self.generated),
-            prompt_tokens=prompt_len,
+            prompt_tokens=len(self.prompt),
             accept_lengths=list(self.accept_lengths),
             timings=dict(self.timings),
-            elapsed=elapsed,
+            elapsed=self._clock() - start,
             finish_reason=self.finish or "length",
             mode=self.mode,
             tree_sizes=list(self.tree_sizes),
         )
+
+    def tree_budget_now(self) -> int:
+        """Draft nodes this step's tree may have: the room left for new tokens, less the
+        bonus token's, capped by the tree budget."""
+        room = min(
+            self.max_length - len(self.prompt) - len(self.generated),
+            self.max_new - len(self.generated),
+        )
+        budget = room - 1  # leaves room for the bonus token
+        if self.tree_budget is not None:
+            budget = min(budget, self.tree_budget)
+        return budget
+
+    def pruner_inputs(self, budget: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The pruner's context (the last tokens) and the prompt-lookup path (if any)."""
+        context = np.asarray(
+            self.generated[-PRUNER_CONTEXT:]
+            if len(self.generated) >= PRUNER_CONTEXT
+            else (self.prompt + self.generated)[-PRUNER_CONTEXT:],
+            dtype=np.int64,
+        )
+        path = None
+        index = self.lookup_index
+        if index is not None:
+            assert self.lookup is not None
+            index.extend(self.generated[len(index) - len(self.prompt) :])
+            path = self.lookup.path(index, budget)
+        return context, path
 
     def _lap(self, since: float, stage: str, step: dict[str, float]) -> float:
         """Book the time from ``since`` to now to ``step[stage]``; returns now (the next
         stage's start)."""
         now = self._clock()
         step[stage] = now - since
+        return now
+
+    def _lap_add(self, since: float, stage: str, step: dict[str, float]) -> float:
+        """:meth:`_lap`, adding to what ``step[stage]`` already holds."""
+        now = self._clock()
+        step[stage] = step.get(stage, 0.0) + now - since
         return now
 
     def _ar_forward(self, cache: Any, token: int) -> tuple[torch.Tensor, None]:

@@ -4,6 +4,7 @@ daemon, ``dart_client.ngram.RemotePruner``) through one interface, :class:`Pruni
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -12,7 +13,14 @@ from dart_client.decoding.draft import DraftRows
 from dart_client.decoding.verify import Tree
 from dart_client.ngram.pruner import DraftTree, PrunerConfig
 
-__all__ = ["PrunerTreeBuilder", "PruningBackend", "TreeBuilder", "build_tree", "pruner_max_nodes"]
+__all__ = [
+    "PrunerTreeBuilder",
+    "PruningBackend",
+    "TreeBuilder",
+    "build_tree",
+    "build_trees",
+    "pruner_max_nodes",
+]
 
 
 @runtime_checkable
@@ -81,6 +89,24 @@ class PrunerTreeBuilder:
         )
         return Tree.from_draft_tree(tree)
 
+    def build_batch(
+        self,
+        contexts: Sequence[np.ndarray],
+        rows: Sequence[DraftRows],
+        budgets: Sequence[int],
+        lookup_paths: Sequence[np.ndarray | None] | None = None,
+    ) -> list[Tree]:
+        """Every sequence's tree in one ``prune_batch`` call (the Rust pruner builds them in
+        parallel)."""
+        trees = self.pruner.prune_batch(
+            list(contexts),
+            np.stack([r.ids for r in rows]),
+            np.stack([r.probs for r in rows]),
+            budgets=list(budgets),
+            lookup_paths=None if lookup_paths is None else list(lookup_paths),
+        )
+        return [Tree.from_draft_tree(t) for t in trees]
+
 
 def build_tree(
     builder: TreeBuilder,
@@ -94,3 +120,36 @@ def build_tree(
     if lookup_path is None or not lookup_path.size:
         return builder.build(context, rows, budget)
     return builder.build(context, rows, budget, lookup_path=lookup_path)
+
+
+def build_trees(
+    builder: TreeBuilder,
+    contexts: Sequence[np.ndarray],
+    rows: Sequence[DraftRows],
+    budgets: Sequence[int],
+    lookup_paths: Sequence[np.ndarray | None],
+) -> list[Tree]:
+    """The trees of a batch of sequences: one ``build_batch`` call where the builder has one
+    (:class:`PrunerTreeBuilder`), else :func:`build_tree` per sequence. A sequence with no
+    room for a draft node (budget 0) gets its root alone."""
+    trees = [Tree.root_only(int(c[-1])) for c in contexts]
+    todo = [i for i, b in enumerate(budgets) if b > 0]
+    if not todo:
+        return trees
+    batch = getattr(builder, "build_batch", None)
+    if callable(batch):
+        paths = [lookup_paths[i] for i in todo]
+        paths = [p if p is not None and p.size else None for p in paths]
+        built = batch(
+            [contexts[i] for i in todo],
+            [rows[i] for i in todo],
+            [budgets[i] for i in todo],
+            None if all(p is None for p in paths) else paths,
+        )
+    else:
+        built = [
+            build_tree(builder, contexts[i], rows[i], budgets[i], lookup_paths[i]) for i in todo
+        ]
+    for i, tree in zip(todo, built, strict=True):
+        trees[i] = tree
+    return trees

@@ -107,3 +107,36 @@ def verify_tree(
     logits, taps = target.forward(ids, positions, cache, tree_mask=mask, logits_to_keep=0)
     assert taps is not None
     return logits[0], taps
+
+
+def verify_trees(
+    target: TargetModel, cache: TargetCache, trees: Sequence[Tree], taps: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over the trees of every live row of a batched cache.
+
+    Row b's tree is padded to the largest tree; its node i sits at position
+    ``rows[b] + depth[i]`` and sees row b's own cache and its ancestors and itself (a padding
+    node sees only itself). Returns logits (b, n, V) and, when ``taps``, taps (b, n, 3H);
+    the cache grows by n entries per row at its frontier (kept by ``cache.keep_rows``).
+    Root-only trees make this one autoregressive step for every row.
+    """
+    device = target.device
+    b = len(trees)
+    n = max(len(t) for t in trees)
+    ids = torch.zeros((b, n), dtype=torch.long)
+    depths = torch.zeros((b, n), dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
+    for row, tree in enumerate(trees):
+        size = len(tree)
+        ids[row, :size] = torch.tensor(tree.tokens, dtype=torch.long)
+        depths[row, :size] = tree.depths
+        mask[row, :size, :size] = tree.mask
+    lengths = torch.tensor(cache.rows.lengths, dtype=torch.long).unsqueeze(1)
+    return target.forward(
+        ids.to(device),
+        (depths + lengths).to(device),
+        cache,
+        tree_mask=mask if n > 1 else None,
+        logits_to_keep=0 if n > 1 else 1,
+        taps=taps,
+    )

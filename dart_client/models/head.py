@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_client.errors import CheckpointError, IncompatibleHeadError
 from dart_client.models.linear import derived_weight, project
+from dart_client.models.target import RaggedRows, compact_rows, copy_row
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -365,46 +366,112 @@ class HeadCache:
     """The head's KV cache: preallocated, holding real positions only.
 
     ``append`` writes new keys/values in place and returns views over everything cached so
-    far; ``truncate`` drops the tail (the mask slots after a forward).
+    far; ``truncate`` drops the tail (the mask slots after a forward). A batched cache
+    (``batch`` > 1) keeps one sequence per row as the target's does
+    (:class:`~dart_client.models.target.TargetCache`): rows of their own lengths
+    (:attr:`rows`), appends at the longest one's, :meth:`keep_rows` after each forward.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, batch: int = 1) -> None:
         self.capacity = capacity
+        self.batch = batch
         self.length = 0
+        self.rows = RaggedRows()
+        #: Live rows of a batched cache (its first ones); None: every batch entry.
+        self._live: int | None = None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        #: Static mode (``dart_client.decoding.static``): the positions, a device tensor,
+        #: that the next keys are written to; attention then reads the whole buffer.
+        self.slots: torch.Tensor | None = None
+
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The K and V buffers (full capacity; none before the first append) with their
+        batch axis, as :meth:`TargetCache.buffers` gives them."""
+        return [(b, 0) for b in (self._k, self._v) if b is not None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[2]
         if self._k is None or self._v is None:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self._k = k.new_empty(shape)
-            self._v = v.new_empty(shape)
+            self._allocate(k, v, k.shape[0])
+        assert self._k is not None and self._v is not None
+        if self.slots is not None:
+            # Static mode: no host-side length (the caller sets it once it is known).
+            self._k.index_copy_(2, self.slots, k)
+            self._v.index_copy_(2, self.slots, v)
+            return self._k, self._v
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(
                 f"draft head cache overflow: {end} positions for a capacity of {self.capacity}"
             )
-        self._k[:, :, self.length : end] = k
-        self._v[:, :, self.length : end] = v
+        live = self._live
+        self._k[:live, :, self.length : end] = k
+        self._v[:live, :, self.length : end] = v
         self.length = end
-        return self._k[:, :, :end], self._v[:, :, :end]
+        return self._k[:live, :, :end], self._v[:live, :, :end]
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+        # Zeroed: a batched row's stale tail and the static draft's unused positions are
+        # masked, and a masked zero adds nothing (a masked NaN would).
+        self._k = k.new_zeros((batch, k.shape[1], self.capacity, k.shape[3]))
+        self._v = v.new_zeros((batch, v.shape[1], self.capacity, v.shape[3]))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise RuntimeError(f"cannot truncate a head cache of {self.length} to {length}")
         self.length = length
 
+    def _set_rows(self) -> None:
+        self._live = len(self.rows)
+        self.length = self.rows.frontier
+
+    def put_row(self, row: int, source: HeadCache) -> None:
+        """Copy ``source`` (one sequence) into ``row``: a live row or the next free one."""
+        if not 0 <= row <= len(self.rows) or row >= self.batch:
+            raise ValueError(f"row {row} of a head cache of {len(self.rows)} live rows")
+        n = source.length
+        if source._k is not None and source._v is not None:
+            if self._k is None:
+                self._allocate(source._k, source._v, self.batch)
+            assert self._k is not None and self._v is not None
+            self._k[row, :, :n] = source._k[0, :, :n]
+            self._v[row, :, :n] = source._v[0, :, :n]
+        self.rows.put(row, n)
+        self._set_rows()
+
+    def drop_row(self, row: int) -> None:
+        """Free ``row``: the last live row moves into it."""
+        last = self.rows.drop(row)
+        if last is not None and self._k is not None and self._v is not None:
+            for buffer in (self._k, self._v):
+                copy_row(buffer, 0, row, last, self.rows.lengths[row])
+        self._set_rows()
+
+    def keep_rows(self, start: int, keeps: Sequence[Sequence[int]], device: torch.device) -> None:
+        """After a forward appended at ``start``: keep row b's positions ``keeps[b]``
+        (relative to ``start``) at its own length, drop the rest."""
+        plan = self.rows.compaction(start, keeps, device)
+        if plan is not None and self._k is not None and self._v is not None:
+            for buffer in (self._k, self._v):
+                compact_rows(buffer, 0, plan)
+        self._set_rows()
+
 
 class DartHead(nn.Module):
     """The DART draft head. Parameter names match the published checkpoint layout."""
+
+    #: The keys of the published layout (a subclass with another layout names its own).
+    checkpoint_keys: tuple[str, ...] = CHECKPOINT_KEYS
+    #: Weight files ``from_pretrained`` reads, the first one present.
+    weight_files: tuple[str, ...] = (WEIGHTS_NAME,)
 
     def __init__(self, config: DartHeadConfig) -> None:
         super().__init__()
         self.config = config
         assert config.target_hidden_size is not None
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = HeadLayer(config)
+        self.midlayer = self._make_layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -412,6 +479,9 @@ class DartHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config=config.rope_config())
         self._embed: nn.Module | None = None
         self._draft_to_target: tuple[Any, torch.Tensor, np.ndarray] | None = None
+
+    def _make_layer(self, config: DartHeadConfig) -> nn.Module:
+        return HeadLayer(config)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -484,7 +554,7 @@ class DartHead(nn.Module):
 
         Keys are checked strictly against the published layout; every mismatch is reported.
         """
-        directory = _resolve_head_dir(path, **hub_kwargs)
+        directory = _resolve_head_dir(path, (CONFIG_NAME, *cls.weight_files), **hub_kwargs)
         config_path = directory / CONFIG_NAME
         weights_path = directory / WEIGHTS_NAME
         try:
@@ -498,15 +568,13 @@ class DartHead(nn.Module):
         config = DartHeadConfig.from_dict(raw, source=str(config_path))
         if double_final_norm is not None:
             config.double_final_norm = double_final_norm
+        weights_path = next(
+            (directory / name for name in cls.weight_files if (directory / name).is_file()),
+            weights_path,
+        )
         if not weights_path.is_file():
             raise CheckpointError(f"{weights_path}: head weights not found")
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{weights_path}: cannot read safetensors ({err})") from None
+        state = read_weights(weights_path)
         head = cls(config)
         head.load_checkpoint_state(state, source=str(weights_path))
         return head
@@ -515,13 +583,14 @@ class DartHead(nn.Module):
         """Strictly load a published-layout state dict, naming every problem found."""
         expected = self.state_dict()
         problems: list[str] = []
-        missing = [k for k in CHECKPOINT_KEYS if k not in state]
+        keys = self.checkpoint_keys
+        missing = [k for k in keys if k not in state]
         unexpected = sorted(k for k in state if k not in expected and k not in IGNORED_KEYS)
         if missing:
             problems.append(f"missing keys {missing}")
         if unexpected:
             problems.append(f"unexpected keys {unexpected}")
-        for key in CHECKPOINT_KEYS:
+        for key in keys:
             if key in state and tuple(state[key].shape) != tuple(expected[key].shape):
                 problems.append(
                     f"{key}: shape {tuple(state[key].shape)}, expected "
@@ -529,7 +598,7 @@ class DartHead(nn.Module):
                 )
         if problems:
             raise CheckpointError(f"{source}: " + "; ".join(problems))
-        own = {k: state[k] for k in CHECKPOINT_KEYS}
+        own = {k: state[k] for k in keys}
         d2t = own["d2t"]
         if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
             raise CheckpointError(f"{source}: d2t must be an integer tensor, got {d2t.dtype}")
@@ -616,8 +685,8 @@ class DartHead(nn.Module):
             self._draft_to_target = cached
         return cached[1], cached[2]
 
-    def new_cache(self, capacity: int) -> HeadCache:
-        return HeadCache(capacity)
+    def new_cache(self, capacity: int, batch: int = 1) -> HeadCache:
+        return HeadCache(capacity, batch)
 
     def rope(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin (1, n, head_dim) of positions ``start .. start + n - 1``, in
@@ -641,6 +710,16 @@ class DartHead(nn.Module):
             self.__dict__["_rope_table"] = table
         return table[0][:, start:end], table[1][:, start:end]
 
+    def rope_at(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin (b, n, head_dim) of explicit ``positions`` (b, n): one row per
+        sequence of a batch."""
+        if "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope":
+            return self.rotary(like, positions)
+        cos, sin = self.rope(0, int(positions.max()) + 1, like)
+        return cos[0][positions], sin[0][positions]
+
     # -- forward ------------------------------------------------------------------------------
 
     def forward(
@@ -649,6 +728,9 @@ class DartHead(nn.Module):
         next_ids: torch.Tensor,
         cache: HeadCache | None = None,
         num_masks: int | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft logits ``(batch, num_masks + 1, draft_vocab)``.
 
@@ -656,26 +738,57 @@ class DartHead(nn.Module):
         ``next_ids`` (batch, r): the token that follows each of them (the last one is the token
         just sampled). Positions continue the cache; afterwards the cache holds the r real
         positions and none of the mask slots.
+
+        A batch of sequences of their own lengths (a batched cache) passes ``positions``
+        (batch, r + m) and the float ``mask`` (batch, 1, r + m, cache + r + m) of every row
+        (:func:`dart_client.decoding.draft.draft_rows_batch`); the cache then keeps all
+        r + m new entries, for the caller's :meth:`HeadCache.keep_rows`.
         """
         if self._embed is None:
             raise RuntimeError("bind_embedding(target embedding) before running the head")
         m = self.config.draft_length if num_masks is None else num_masks
         r = taps.shape[1]
         past = cache.length if cache is not None else 0
-        projected = project(self, ("fc",), taps)
-        embeds = self._embed(next_ids).to(projected.dtype)
+        projected = self.project_taps(taps)
         n = r + m
-        cos_sin = self.rope(past, n, projected)
-        mask: torch.Tensor | None = None  # nothing cached: plain causal attention
-        if past:
+        if positions is not None:
+            cos_sin = self.rope_at(positions, projected)
+        else:
+            cos_sin = self.rope(past, n, projected)
+        if mask is not None:
+            mask = mask.to(projected.dtype)
+        elif past:
             # A draft step (few new rows over a long cache): query heads of a K/V group as
             # extra rows; a long block (rare) keeps one mask row per position.
             cfg = self.config
             groups = cfg.num_attention_heads // cfg.num_key_value_heads if n <= 64 else 1
             mask = causal_mask(n, past, projected.dtype, taps.device, groups)
-        h = self.midlayer(embeds, projected, cos_sin, cache, mask, m)
-        if cache is not None:
+        logits = self.draft_logits(projected, next_ids, cache, cos_sin, mask, m)
+        if cache is not None and positions is None:
             cache.truncate(past + r)
+        return logits
+
+    def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """``fc``: the tapped target states (b, r, 3H) projected to the head's width."""
+        return project(self, ("fc",), taps)
+
+    def draft_logits(
+        self,
+        projected: torch.Tensor,
+        next_ids: torch.Tensor,
+        cache: HeadCache | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        num_masks: int,
+    ) -> torch.Tensor:
+        """The layer and the output over given RoPE rows and mask (what :meth:`forward`
+        computes from the cache's length; the static path gives its own, fixed-shape ones):
+        logits of the last real row and the ``num_masks`` mask slots. ``projected``:
+        :meth:`project_taps`."""
+        if self._embed is None:
+            raise RuntimeError("bind_embedding(target embedding) before running the head")
+        embeds = self._embed(next_ids).to(projected.dtype)
+        h = self.midlayer(embeds, projected, cos_sin, cache, mask, num_masks)
         h = self.norm(h)
         if self.config.double_final_norm:
             h = self.norm(h)
@@ -699,7 +812,29 @@ def _causal_block(n: int, groups: int, dtype: torch.dtype, device: torch.device)
     return block.repeat(groups, 1)
 
 
-def _resolve_head_dir(path: str | Path, **hub_kwargs: Any) -> Path:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors from ``.safetensors`` or a ``torch.save``d ``.bin`` (read with
+    ``weights_only``: no code runs); a file that is neither names the problem."""
+    if path.suffix == ".bin":
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several types for a corrupt pickle
+            raise CheckpointError(f"{path}: cannot read a torch checkpoint ({err})") from None
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise CheckpointError(f"{path}: expected a dict of named tensors")
+        return state
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: cannot read safetensors ({err})") from None
+
+
+def _resolve_head_dir(path: str | Path, files: tuple[str, ...], **hub_kwargs: Any) -> Path:
     local = Path(path)
     if local.is_dir():
         return local
@@ -711,9 +846,7 @@ def _resolve_head_dir(path: str | Path, **hub_kwargs: Any) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME], **hub_kwargs)
-        )
+        return Path(snapshot_download(text, allow_patterns=list(files), **hub_kwargs))
     except Exception as err:  # hub errors vary by version; report what happened
         raise CheckpointError(
             f"{path}: not a local directory, and downloading it from the hub failed ({err})"

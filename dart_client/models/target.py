@@ -51,10 +51,16 @@ class PreallocatedLayer(DynamicLayer):
         #: Where the buffers come from: one block for every layer of a cache (so that
         #: compaction is one copy, not two per layer), or None for a buffer of its own.
         self.storage = storage
+        #: Static mode (:meth:`TargetCache.set_slots`): the cache positions, a device tensor,
+        #: that the next keys are written to; attention then reads the whole buffer (every
+        #: forward has the same shapes, as a CUDA graph needs) and a mask hides the rest.
+        self.slots: torch.Tensor | None = None
+        #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
+        self.rows: int | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, : self.length]
+        return None if self._k is None else self._k[: self.rows, :, : self.length]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -62,7 +68,7 @@ class PreallocatedLayer(DynamicLayer):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self.length]
+        return None if self._v is None else self._v[: self.rows, :, : self.length]
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -88,15 +94,21 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self._k is not None and self._v is not None
+        if self.slots is not None:
+            # No host-side length: the caller moves it once it knows what was accepted.
+            self._k.index_copy_(2, self.slots, key_states)
+            self._v.index_copy_(2, self.slots, value_states)
+            return self._k, self._v
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(
                 f"target KV cache overflow: {end} positions for a capacity of {self.capacity}"
             )
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
+        rows = self.rows
+        self._k[:rows, :, self.length : end] = key_states
+        self._v[:rows, :, self.length : end] = value_states
         self.length = end
-        return self._k[:, :, :end], self._v[:, :, :end]
+        return self._k[:rows, :, :end], self._v[:rows, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -124,6 +136,18 @@ class PreallocatedLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.set_length(0)
+
+    def allocate_rows(self, batch: int, like: PreallocatedLayer) -> None:
+        """Buffers for ``batch`` rows shaped like ``like``'s (a one-sequence layer), zeroed:
+        a row's unused tail is masked, and a masked zero (unlike uninitialised memory, which
+        may hold NaN) adds nothing to an attention's weighted sum."""
+        assert like._k is not None and like._v is not None
+        shape = (batch, *like._k.shape[1:2], 0, like._k.shape[3])
+        vshape = (batch, *like._v.shape[1:2], 0, like._v.shape[3])
+        self.lazy_initialization(like._k.new_empty(shape), like._v.new_empty(vshape))
+        assert self._k is not None and self._v is not None
+        self._k.zero_()
+        self._v.zero_()
 
 
 def _views_only(value: torch.Tensor | None) -> None:
@@ -201,17 +225,97 @@ class StackedStorage:
 
 
 class TargetCache(Cache):
-    """A transformers ``Cache`` of :class:`PreallocatedLayer` with tree-compaction helpers."""
+    """A transformers ``Cache`` of :class:`PreallocatedLayer` with tree-compaction helpers.
 
-    def __init__(self, num_layers: int, capacity: int, *, stacked: bool = True) -> None:
+    A batched cache (``batch`` > 1, :meth:`put_row` ... :meth:`keep_rows`) holds one sequence
+    per row, each of its own length (:attr:`rows`). Every forward appends at one frontier,
+    the longest row's length; a shorter row's positions between its length and the frontier
+    are stale and masked (:func:`attention_mask` with ``row_lengths``), and
+    :meth:`keep_rows` moves each row's accepted nodes down to its own length.
+    """
+
+    def __init__(
+        self, num_layers: int, capacity: int, *, stacked: bool = True, batch: int = 1
+    ) -> None:
         """``stacked``: keep every layer's K/V in one block (:class:`StackedStorage`); pass
         False when the layers sit on several devices (the block would hold every layer's
-        cache on the first one)."""
+        cache on the first one). ``batch``: rows of a batched cache."""
         self.storage = StackedStorage(num_layers, capacity) if stacked else None
         super().__init__(
             layers=[PreallocatedLayer(capacity, self.storage) for _ in range(num_layers)]
         )
         self.capacity = capacity
+        self.batch = batch
+        #: The valid length of each live row of a batched cache.
+        self.rows = RaggedRows()
+        #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
+        self.static_verifiers: dict[Any, Any] = {}
+
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
+        read at each forward, so a captured graph follows its contents) and attends over
+        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
+        length."""
+        for layer in self._layers():
+            layer.slots = slots
+
+    def _layers(self) -> list[PreallocatedLayer]:
+        layers = [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]
+        assert len(layers) == len(self.layers)
+        return layers
+
+    def buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Every K/V buffer with its batch axis (the sequence axis is two further): the
+        stacked block once, else each layer's two buffers."""
+        storage = self.storage
+        if storage is not None and storage.block is not None and storage.complete:
+            return [(storage.block, 2)]
+        out: list[tuple[torch.Tensor, int]] = []
+        for layer in self._layers():
+            if layer._k is not None and layer._v is not None:
+                out += [(layer._k, 0), (layer._v, 0)]
+        return out
+
+    def _set_rows(self) -> None:
+        frontier = self.rows.frontier
+        for layer in self._layers():
+            layer.rows = len(self.rows)
+            layer.set_length(frontier)
+
+    def put_row(self, row: int, source: TargetCache) -> None:
+        """Copy ``source`` (one sequence, e.g. a prompt prefilled alone) into ``row``: a live
+        row (replaced) or the next free one."""
+        if not 0 <= row <= len(self.rows) or row >= self.batch:
+            raise ValueError(f"row {row} of a cache of {len(self.rows)} live rows")
+        n = source.length
+        if n > self.capacity:
+            raise RuntimeError(f"a {n}-position sequence in a cache of capacity {self.capacity}")
+        for mine, theirs in zip(self._layers(), source._layers(), strict=True):
+            if not mine.is_initialized:
+                mine.allocate_rows(self.batch, theirs)
+            assert mine._k is not None and mine._v is not None
+            assert theirs._k is not None and theirs._v is not None
+            mine._k[row, :, :n] = theirs._k[0, :, :n]
+            mine._v[row, :, :n] = theirs._v[0, :, :n]
+        self.rows.put(row, n)
+        self._set_rows()
+
+    def drop_row(self, row: int) -> None:
+        """Free ``row``: the last live row moves into it (live rows stay the first ones)."""
+        last = self.rows.drop(row)
+        if last is not None:
+            for buffer, axis in self.buffers():
+                copy_row(buffer, axis, row, last, self.rows.lengths[row])
+        self._set_rows()
+
+    def keep_rows(self, start: int, nodes: Sequence[Sequence[int]], device: torch.device) -> None:
+        """After a forward appended every live row's tree at ``start`` (the frontier): keep
+        row b's nodes ``nodes[b]`` (relative to ``start``, ascending) at its own length."""
+        plan = self.rows.compaction(start, nodes, device)
+        if plan is not None:
+            for buffer, axis in self.buffers():
+                compact_rows(buffer, axis, plan)
+        self._set_rows()
 
     @property
     def length(self) -> int:
@@ -237,6 +341,90 @@ class TargetCache(Cache):
         for layer in self.layers:
             assert isinstance(layer, PreallocatedLayer)
             layer.compact(start, keep)
+
+
+class RaggedRows:
+    """The valid lengths of a batched cache's live rows (rows 0 .. len - 1), and the index
+    plans that move their K/V; shared by the target's and the head's caches."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def frontier(self) -> int:
+        """Where the next forward appends: the longest row's length."""
+        return max(self.lengths, default=0)
+
+    def put(self, row: int, length: int) -> None:
+        if row == len(self.lengths):
+            self.lengths.append(length)
+        else:
+            self.lengths[row] = length
+
+    def drop(self, row: int) -> int | None:
+        """Forget ``row``; returns the row whose K/V must move into it (None: it was last)."""
+        if not 0 <= row < len(self.lengths):
+            raise ValueError(f"row {row} of {len(self.lengths)} live rows")
+        last = len(self.lengths) - 1
+        self.lengths[row] = self.lengths[last]
+        self.lengths.pop()
+        return None if row == last else last
+
+    def compaction(
+        self, start: int, keeps: Sequence[Sequence[int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, sources, destinations), each (live, widest keep): row b's ``keeps[b]``
+        (relative to ``start``) go to ``lengths[b]..``; a shorter keep is padded with
+        copies of positions onto themselves. Advances the lengths. None: nothing moves."""
+        if len(keeps) != len(self.lengths):
+            raise ValueError(f"{len(keeps)} keeps for {len(self.lengths)} live rows")
+        width = max((len(k) for k in keeps), default=0)
+        if width == 0:
+            return None
+        src, dst = [], []
+        moves = False
+        for length, keep in zip(self.lengths, keeps, strict=True):
+            to = list(range(length, length + width))
+            fro = [start + int(i) for i in keep] + to[len(keep) :]
+            moves = moves or fro[: len(keep)] != to[: len(keep)]
+            src.append(fro)
+            dst.append(to)
+        for b, keep in enumerate(keeps):
+            self.lengths[b] += len(keep)
+        if not moves:
+            return None
+        rows = torch.arange(len(keeps), device=device).unsqueeze(1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return rows, as_tensor(src), as_tensor(dst)
+
+    def stale(self, frontier: int, device: torch.device) -> torch.Tensor:
+        """(live, frontier) bool: cache positions past each row's length (masked)."""
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=device).unsqueeze(1)
+        return torch.arange(frontier, device=device).unsqueeze(0) >= lengths
+
+
+def _at(axis: int, *index: Any) -> tuple[Any, ...]:
+    return (slice(None),) * axis + index
+
+
+def copy_row(buffer: torch.Tensor, axis: int, dst: int, src: int, length: int) -> None:
+    """Row ``src``'s first ``length`` positions to row ``dst`` (batch ``axis``, sequence
+    ``axis + 2``)."""
+    buffer[_at(axis, dst, slice(None), slice(0, length))] = buffer[
+        _at(axis, src, slice(None), slice(0, length))
+    ]
+
+
+def compact_rows(
+    buffer: torch.Tensor, axis: int, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """Apply a :meth:`RaggedRows.compaction` plan: one gather and one scatter for all rows
+    (the gather copies first, so overlapping sources and destinations are safe)."""
+    rows, src, dst = plan
+    buffer[_at(axis, rows, slice(None), dst)] = buffer[_at(axis, rows, slice(None), src)]
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -382,10 +570,13 @@ class TargetModel:
 
         return hook
 
-    def new_cache(self, capacity: int) -> TargetCache:
-        return TargetCache(self.num_layers, capacity, stacked=len(self._layer_devices()) == 1)
+    def new_cache(self, capacity: int, batch: int = 1) -> TargetCache:
+        """A cache of ``capacity`` positions; ``batch`` > 1: a batched one (rows filled by
+        :meth:`TargetCache.put_row`)."""
+        stacked = len(self.layer_devices()) == 1
+        return TargetCache(self.num_layers, capacity, stacked=stacked, batch=batch)
 
-    def _layer_devices(self) -> set[torch.device]:
+    def layer_devices(self) -> set[torch.device]:
         """The devices the decoder layers' weights are on (several under a device map)."""
         return {p.device for layer in self.layers for p in layer.parameters(recurse=True)}
 
@@ -399,22 +590,43 @@ class TargetModel:
         logits_to_keep: int = 0,
         taps: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target forward over ``input_ids`` (1, n) appended to ``cache``.
+        """One target forward over ``input_ids`` (b, n) appended to ``cache``.
 
-        ``tree_mask`` (n, n) bool says which new tokens each new token sees (None = causal);
-        every new token sees the whole cache. Returns logits of the last ``logits_to_keep``
-        positions (0 = all) and, when ``taps``, the tapped states (1, n, 3H).
+        ``tree_mask`` (n, n) or (b, n, n) bool says which new tokens each new token sees
+        (None = causal); every new token sees the whole cache, a batched cache's row its
+        own valid length of it. Returns logits of the last ``logits_to_keep`` positions
+        (0 = all) and, when ``taps``, the tapped states (b, n, 3H).
         """
         n = input_ids.shape[1]
         past = cache.length
-        mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device)
+        rows = cache.rows if len(cache.rows) else None
+        mask = attention_mask(n, past, tree_mask, self.dtype, input_ids.device, rows)
+        sync = input_ids.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        start = self.clock()
+        logits, tapped = self.run(input_ids, position_ids, mask, cache, logits_to_keep, taps)
+        if sync:
+            torch.cuda.synchronize(input_ids.device)
+        self.last_forward_seconds = self.clock() - start
+        return logits, tapped
+
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: TargetCache,
+        logits_to_keep: int = 0,
+        taps: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward with a ready 4D float ``mask`` (:func:`attention_mask`, or
+        the static path's): no host synchronisation and no timing, so a CUDA graph can
+        capture it."""
         self._taps.clear()
         self._capture = taps
-        sync = input_ids.device.type == "cuda"
         try:
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            start = self.clock()
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -423,9 +635,6 @@ class TargetModel:
                 **{self._cache_keyword: cache},
                 logits_to_keep=logits_to_keep,
             )
-            if sync:
-                torch.cuda.synchronize(input_ids.device)
-            self.last_forward_seconds = self.clock() - start
         finally:
             self._capture = False
         tapped = None
@@ -441,16 +650,23 @@ def attention_mask(
     tree_mask: torch.Tensor | None,
     dtype: torch.dtype,
     device: torch.device,
+    rows: RaggedRows | None = None,
 ) -> torch.Tensor:
-    """Float mask (1, 1, n, past + n): 0 = attend, dtype-min = blocked.
+    """Float mask (b, 1, n, past + n): 0 = attend, dtype-min = blocked.
 
-    A bool mask would be simpler but gives silently wrong logits under eager attention.
+    ``tree_mask`` (n, n) or (b, n, n); ``rows``: a batched cache's rows, each of which sees
+    its own valid length of the ``past`` positions (b = their count; else b = 1 and every
+    cached position is seen). A bool mask would be simpler but gives silently wrong logits
+    under eager attention.
     """
     blocked = torch.finfo(dtype).min
-    mask = torch.zeros((n, past + n), dtype=dtype, device=device)
+    b = 1 if rows is None else len(rows)
+    mask = torch.zeros((b, n, past + n), dtype=dtype, device=device)
     if tree_mask is None:
-        mask[:, past:] = torch.full((n, n), blocked, dtype=dtype, device=device).triu(1)
+        mask[:, :, past:] = torch.full((n, n), blocked, dtype=dtype, device=device).triu(1)
     else:
         allowed = tree_mask.to(device=device, dtype=torch.bool)
-        mask[:, past:].masked_fill_(~allowed, blocked)
-    return mask.view(1, 1, n, past + n)
+        mask[:, :, past:].masked_fill_(~allowed, blocked)
+    if rows is not None:
+        mask[:, :, :past].masked_fill_(rows.stale(past, device).unsqueeze(1), blocked)
+    return mask.view(b, 1, n, past + n)

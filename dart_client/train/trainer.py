@@ -208,7 +208,12 @@ class StepLog:
 
 
 class Trainer:
-    """Trains a :class:`DartHead` on a frozen target over a :class:`TrainingSet`."""
+    """Trains a :class:`DartHead` on a frozen target over a :class:`TrainingSet`.
+
+    A subclass trains another draft model of the same layout family (``head_class``) by
+    overriding :meth:`_micro_step`; data, schedule, checkpoints and resume stay these."""
+
+    head_class: type[DartHead] = DartHead
 
     def __init__(
         self,
@@ -233,7 +238,7 @@ class Trainer:
             size = min(config.draft_vocab_size, vocab_size)
             ids, _, _ = build_draft_vocab(counts, size, always=always_in_vocab)
             self.vocab_coverage = coverage(counts, ids)
-            head = DartHead.random_init(
+            head = self.head_class.random_init(
                 self.target.config,
                 draft_length=config.draft_length,
                 draft_vocab=ids,
@@ -285,6 +290,11 @@ class Trainer:
             first = cursor + (k * self.world + self.rank) * cfg.batch_size
             out.append([first + i for i in range(cfg.batch_size)])
         return out
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of per-row statistics a step logs (the head's rows, 0..m)."""
+        return self.config.draft_length + 1
 
     @property
     def windows_per_step(self) -> int:
@@ -358,7 +368,7 @@ class Trainer:
             unit="step",
             disable=not cfg.progress or self.rank != 0,
         )
-        window_stats = torch.zeros(4, cfg.draft_length + 1, dtype=torch.float64)
+        window_stats = torch.zeros(4, self.num_rows, dtype=torch.float64)
         window_loss, window_steps, window_t0 = 0.0, 0, time.perf_counter()
         last_ckpt = time.monotonic()
         run_t0 = time.monotonic()
@@ -368,7 +378,7 @@ class Trainer:
             while self.step < stop_at and not self._agree(stop_requested.set):
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = torch.zeros((), dtype=torch.float64)
-                step_stats = torch.zeros(4, cfg.draft_length + 1, dtype=torch.float64)
+                step_stats = torch.zeros(4, self.num_rows, dtype=torch.float64)
                 for globals_ in self._micro_batches(self.cursor):
                     loss, stats = self._micro_step(globals_)
                     loss.backward()
@@ -540,7 +550,7 @@ class Trainer:
                 f"{path}: written by {state['world']} processes, resumed with {self.world}; "
                 "the data order depends on it"
             )
-        loaded = DartHead.from_pretrained(path / "head")
+        loaded = self.head_class.from_pretrained(path / "head")
         with torch.no_grad():
             self.head.load_state_dict(loaded.state_dict())
         self.draft_to_target = self.head.draft_to_target.to(self.device)
@@ -559,7 +569,7 @@ class Trainer:
         """The trained head in the published layout (``config.json`` + ``model.safetensors``)."""
         directory = Path(directory)
         if self.rank == 0:
-            head = DartHead(self.head.config)
+            head = self.head_class(self.head.config)
             head.load_state_dict(self.head.state_dict())
             head.to(DTYPES[dtype]).save_pretrained(directory)
         if self.world > 1:

@@ -2,4 +2,13 @@
 
 #: The methods ``dart-bench`` compares (``ar`` is every speedup's baseline). Here, not in the
 #: harness, so that the command line lists them without importing torch.
-METHODS = ("ar", "hf", "pld", "dart", "dart-no-ngram", "dart-no-lookup", "dart-remote")
+METHODS = (
+    "ar",
+    "hf",
+    "pld",
+    "dart",
+    "dart-no-ngram",
+    "dart-no-lookup",
+    "dart-remote",
+    "eagle3",
+)

@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from dart_client.apps.bench import METHODS
-from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
+from dart_client.apps.options import (
+    add_cpu_kernels_argument,
+    add_prompt_lookup_argument,
+    add_static_argument,
+)
 from dart_client.embedded import display_path
 from dart_client.errors import DartError
 
@@ -43,9 +47,24 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     g.add_argument("--device", default="cpu")
+    add_static_argument(g)
     add_cpu_kernels_argument(g)
     add_prompt_lookup_argument(g)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    g.add_argument(
+        "--eagle3-head",
+        default="auto",
+        help="the eagle3 method's EAGLE-3 checkpoint (directory or hub id, published layout); "
+        "'auto' (default): the one shipped for the embedded SmolLM2, else random",
+    )
+    g.add_argument("--eagle3-top-k", type=int, default=10, help="EAGLE-3 tree: top-k per node")
+    g.add_argument("--eagle3-depth", type=int, default=7, help="EAGLE-3 tree: expansion steps")
+    g.add_argument(
+        "--eagle3-total-tokens",
+        type=int,
+        default=60,
+        help="EAGLE-3 tree: nodes incl. the root (its own budget; an int --tree-budget wins)",
+    )
     g = p.add_argument_group("benchmark")
     g.add_argument(
         "--workloads",
@@ -56,9 +75,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--methods",
         nargs="+",
-        default=list(METHODS),
+        default=[m for m in METHODS if m != "eagle3"],
         choices=list(METHODS),
-        help="methods to compare (ar is required: the baseline)",
+        help="methods to compare (ar is required: the baseline); eagle3 runs EAGLE-3's "
+        "drafter (--eagle3-head) on the same target",
     )
     g.add_argument("--max-prompts", type=int, default=10, help="prompts per workload")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -72,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=[],
         metavar="N",
-        help="also run DART with these fixed budgets (as dart@N), e.g. 60, the reference's",
+        help="also run DART with these fixed budgets (as dart@N), e.g. 60, the reference's "
+        "(and EAGLE-3 as eagle3@N when eagle3 is among the methods)",
     )
     g.add_argument(
         "--calibration-prompts",
@@ -151,6 +172,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         repetitions=args.repetitions,
         warmup=args.warmup,
         pld_tokens=args.pld_tokens,
+        static=args.static,
     )
     calibrate = budget == "auto" and args.calibration_prompts > 0
     workloads = harness.load_workloads(
@@ -168,6 +190,20 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
             if calibration
             else "tree budget tuned on the built-in prompts: no workload has prompts left over"
         )
+    eagle3 = eagle3_tree = None
+    if "eagle3" in args.methods:
+        from dart_client.decoding.eagle3 import Eagle3TreeConfig
+        from dart_client.loading import load_eagle3_head
+
+        eagle3_tree = Eagle3TreeConfig(
+            top_k=args.eagle3_top_k, depth=args.eagle3_depth, total_tokens=args.eagle3_total_tokens
+        )
+        eagle3 = load_eagle3_head(
+            args.eagle3_head,
+            model.target.config,
+            embedded_target=args.base is None,
+            notes=notes,
+        )
     closers: list[Callable[[], None]] = []
     try:
         methods = harness.build_methods(
@@ -182,6 +218,8 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
             calibration_tokens=min(args.max_new_tokens, MAX_CONTINUATION_TOKENS),
             notes=notes,
             closers=closers,
+            eagle3=eagle3,
+            eagle3_tree=eagle3_tree,
         )
         tuning = model.tree_tuning
         if tuning is not None:

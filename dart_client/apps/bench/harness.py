@@ -421,6 +421,8 @@ def build_methods(
     calibration_tokens: int = 32,
     notes: list[str] | None = None,
     closers: list[Callable[[], None]] | None = None,
+    eagle3: Any = None,
+    eagle3_tree: Any = None,
 ) -> list[Method]:
     """The requested methods over one loaded model. ``model`` needs a head and an in-process
     pruner for the DART methods; ``remote`` is ``auto`` (start a daemon) or ``host:port``;
@@ -428,7 +430,9 @@ def build_methods(
     the reference's GPU budget 60 beside the tuned one. ``calibration``: token ids of the
     prompts ``tree_budget="auto"`` tunes on (None: the tuner's built-in ones), each continued
     ``calibration_tokens`` tokens. Methods that cannot run here are left out with a note
-    saying why."""
+    saying why. ``eagle3`` (an ``Eagle3Head``) adds the EAGLE-3 method (its published tree,
+    ``eagle3_tree``, at its own budget unless ``tree_budget`` is an int) and ``eagle3@N``
+    per compared budget."""
     from dart_client.dart_model import DartModel
     from dart_client.ngram.pruner import Pruner, PrunerConfig
 
@@ -462,10 +466,30 @@ def build_methods(
         dm.tree_tuning = model.tree_tuning
         return dm
 
+    def eagle3_model() -> DartModel:
+        dm = DartModel(model.target, tokenizer=None, eagle3=eagle3, eagle3_tree=eagle3_tree)
+        dm.tokenizer = None
+        return dm
+
     out: list[Method] = []
     shared: DartModel | None = None
     for name in names:
-        if name == "ar":
+        if name == "eagle3":
+            if eagle3 is None:
+                notes.append("eagle3: skipped (no EAGLE-3 head loaded)")
+                continue
+            tree = eagle3_model().eagle3_tree
+            own = tree_budget if isinstance(tree_budget, int) else None
+            out.append(
+                DartLoopMethod(
+                    name,
+                    eagle3_model(),
+                    f"EAGLE-3 dynamic tree (top-k {tree.top_k}, depth {tree.depth}, "
+                    f"{tree.budget if own is None else own} nodes)",
+                    own,
+                )
+            )
+        elif name == "ar":
             out.append(DartLoopMethod("ar", base, "ar_generate (autoregressive)"))
         elif name == "hf":
             out.append(HFMethod("hf", base))
@@ -509,6 +533,8 @@ def build_methods(
     for b in compare_budgets:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise BenchError(f"compare budget {b!r}: expected an integer >= 0")
+        if eagle3 is not None and "eagle3" in names:
+            out.append(DartLoopMethod(f"eagle3@{b}", eagle3_model(), f"EAGLE-3, budget {b}", b))
         if model.head is None or model.pruner is None:
             notes.append(f"dart@{b}: skipped (no DART head / pruner loaded)")
             continue
@@ -657,6 +683,8 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                     for s in STAGES:
                         stage_time[s] += r.timings.get(s, 0.0)
             steps = sum(hist.values())
+            # The drafter's whole cost per step: DART's head and pruner, EAGLE-3's forwards.
+            drafting = stage_time["draft"] + stage_time["prune"]
             shares = None
             if any(stage_time.values()) and elapsed_all > 0:
                 shares = {s: t / elapsed_all for s, t in stage_time.items()}
@@ -669,6 +697,9 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                 "tau": sum(k * v for k, v in hist.items()) / steps if steps else None,
                 "accept_histogram": {str(k): hist[k] for k in sorted(hist)},
                 "mean_tree_nodes": statistics.fmean(tree_nodes) if tree_nodes else None,
+                "draft_ms_per_step": (
+                    1e3 * drafting / steps if steps and any(n > 1 for n in tree_nodes) else None
+                ),
                 "stage_share": shares,
                 "greedy_equal_ar": equal if settings.greedy else None,
                 # Where each differing greedy output first leaves AR's (token index): in bf16
@@ -728,6 +759,12 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
         "numpy": numpy.__version__,
         "git_commit": commit or None,
         "device": str(model.target.device),
+        # The GPU's name: figures are recorded with it (docs/gpu.md).
+        "gpu": (
+            torch.cuda.get_device_name(model.target.device)
+            if model.target.device.type == "cuda"
+            else None
+        ),
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),

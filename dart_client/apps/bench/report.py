@@ -80,7 +80,8 @@ def markdown(record: dict[str, Any]) -> str:
         "",
         f"`{env.get('command', 'dart-bench')}`",
         "",
-        f"{env.get('target', '?')} ({env.get('dtype')}, {env.get('device')}), "
+        f"{env.get('target', '?')} ({env.get('dtype')}, {env.get('device')}"
+        f"{', ' + env['gpu'] if env.get('gpu') else ''}), "
         f"{env.get('cpu')}, {env.get('torch_threads')} threads, load average at start "
         f"{_load(env.get('load_average'))}; {mode}, batch 1, {st['max_new_tokens']} new "
         f"tokens at most, {st['repetitions']} repetitions (medians), methods interleaved.",
@@ -90,9 +91,9 @@ def markdown(record: dict[str, Any]) -> str:
         lines += [
             f"## {name} ({w['prompts']} prompts)",
             "",
-            "| method | tok/s | speedup | tau | mean tree | draft | prune | verify | "
-            "accept+compact | greedy == AR |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | tok/s | speedup | tau | mean tree | draft ms/step | draft | prune | "
+            "verify | accept+compact | greedy == AR |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for m, r in w["methods"].items():
             sh = r["stage_share"] or {}
@@ -106,7 +107,8 @@ def markdown(record: dict[str, Any]) -> str:
             lines.append(
                 f"| {m} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}x | "
                 f"{_fmt(r['tau'], '.2f')} | {_fmt(r['mean_tree_nodes'], '.1f')} | "
-                f"{_pct(sh.get('draft'))} | {_pct(sh.get('prune'))} | "
+                f"{_fmt(r.get('draft_ms_per_step'), '.2f')} | {_pct(sh.get('draft'))} | "
+                f"{_pct(sh.get('prune'))} | "
                 f"{_pct(sh.get('verify'))} | {_pct(ac)} | "
                 f"{eq_text} |"
             )

@@ -2,7 +2,8 @@
 
     python -m dart_client.apps.bench.step_profile [--base MODEL] [--head DIR|random]
         [--ngram PATH|embedded] [--dtype bf16] [--prompts 8] [--questions question.jsonl]
-        [--max-new 64] [--threads N] [--clock wall|cpu] [--json OUT.json]
+        [--max-new 64] [--device cpu|cuda] [--static auto|on|off] [--threads N]
+        [--clock wall|cpu] [--json OUT.json]
 
 Defaults: the embedded SmolLM2-135M-Instruct in bf16 on CPU, an untrained random head
 (tau near 1 is expected; the trained head comes with the training issue), the embedded
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dart_client.apps.options import add_cpu_kernels_argument
+from dart_client.apps.options import add_cpu_kernels_argument, add_static_argument
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
@@ -76,11 +77,13 @@ def profile(
     max_new: int,
     tree_budget: int | None = None,
     log: Any = None,
+    static: bool | str = "auto",
 ) -> dict[str, Any]:
     """DART and AR on each prompt (interleaved), their per-step stage timings and the
     overhead figures; times in milliseconds."""
-    # Warm-up: first calls allocate and select kernels.
-    warm = GenerationConfig(max_new_tokens=4)
+    # Warm-up: first calls allocate and select kernels (and capture the static path's
+    # graphs, in a cache of the measured runs' size, which they then borrow).
+    warm = GenerationConfig(max_new_tokens=4, static=static)
     run_steps(model.generate(prompts[0], warm, stream=True))
     run_steps(model.generate(prompts[0], warm, mode="ar", stream=True))
 
@@ -89,7 +92,7 @@ def profile(
     dart_steps: list[dict[str, float]] = []
     ar_steps: list[dict[str, float]] = []
     for i, prompt in enumerate(prompts):
-        config = GenerationConfig(max_new_tokens=max_new, tree_budget=tree_budget)
+        config = GenerationConfig(max_new_tokens=max_new, tree_budget=tree_budget, static=static)
         d, ds = run_steps(model.generate(prompt, config, stream=True))
         a, as_ = run_steps(model.generate(prompt, config, mode="ar", stream=True))
         dart_runs.append(d)
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--tree-budget", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="the target's device (cpu, cuda, cuda:1)")
+    add_static_argument(p)
     add_cpu_kernels_argument(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
@@ -225,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     from dart_client.dart_model import build_model
 
     model = build_model(
-        args.base, args.head, args.ngram, dtype=args.dtype, cpu_kernels=args.cpu_kernels
+        args.base,
+        args.head,
+        args.ngram,
+        dtype=args.dtype,
+        device=args.device,
+        cpu_kernels=args.cpu_kernels,
     )
     assert model.template is not None
     if args.clock == "cpu":
@@ -234,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         model.template.format(messages=[{"role": "user", "content": q}])
         for q in questions(args.prompts, args.questions)
     ]
-    report = profile(model, prompts, args.max_new, args.tree_budget, log=sys.stderr)
+    report = profile(
+        model, prompts, args.max_new, args.tree_budget, log=sys.stderr, static=args.static
+    )
     report.update(
         machine=f"{platform.machine()} {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}",
@@ -243,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_new=args.max_new,
         cpu_kernels=args.cpu_kernels,
+        device=str(model.target.device),
+        gpu=torch.cuda.get_device_name(model.target.device)
+        if model.target.device.type == "cuda"
+        else None,
+        static=args.static,
     )
     print(markdown(report))
     print(f"clock: {args.clock}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)"
     )
     g.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="requests decoded together, fused, joining and leaving between steps "
+        "(default 1: one at a time)",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=600.0,
@@ -290,7 +297,11 @@ def serve_main(argv: Sequence[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv))
     check_model_arguments(args, parser)  # usage errors (paths, --head auto) before any load
-    for flag, value, minimum in (("--max-queue", args.max_queue, 1), ("--port", args.port, 0)):
+    for flag, value, minimum in (
+        ("--max-queue", args.max_queue, 1),
+        ("--max-batch", args.max_batch, 1),
+        ("--port", args.port, 0),
+    ):
         if value < minimum:
             raise DartError(f"{flag} must be >= {minimum}, got {value}")
     if args.timeout <= 0 or args.shutdown_grace < 0:
@@ -301,7 +312,13 @@ def serve_main(argv: Sequence[str]) -> int:
         torch.set_num_threads(args.threads)
     engine = load_engine(args)
     metrics = Metrics()
-    scheduler = Scheduler(engine, max_queue=args.max_queue, timeout=args.timeout, observer=metrics)
+    scheduler = Scheduler(
+        engine,
+        max_queue=args.max_queue,
+        timeout=args.timeout,
+        observer=metrics,
+        max_batch=args.max_batch,
+    )
     app = create_app(engine, scheduler, metrics, api_key=args.api_key or None)
     config = uvicorn.Config(
         app,

@@ -80,8 +80,13 @@ class Engine:
         """Token ids given by the client, checked against the vocabulary."""
         return self.model.encode_input(input_ids=ids)
 
-    def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
-        """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
+    def mode(self, sampling: Sampling) -> str:
+        """How a request is decoded: ``"dart"``, or ``"ar"`` (asked for, or no head)."""
+        return "dart" if sampling.speculative and self.speculative else "ar"
+
+    def config(self, ids: list[int], sampling: Sampling, batch: int = 1) -> Any:
+        """The request's :class:`GenerationConfig` (tree budget resolved for ``batch`` rows
+        decoded together)."""
         from dart_client.decoding.config import GenerationConfig
 
         config = GenerationConfig(
@@ -95,20 +100,42 @@ class Engine:
             seed=sampling.seed,
             tree_budget=sampling.tree_budget,
         )
-        mode = "dart" if sampling.speculative and self.speculative else "ar"
-        stream = self.model.generate(ids, config, stream=True, mode=mode)
+        return self.model.resolve_config(config, self.mode(sampling), batch)
+
+    def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
+        """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
+        stream = self.model.generate(
+            ids, self.config(ids, sampling), stream=True, mode=self.mode(sampling)
+        )
         for event in stream:
-            yield Step(event.text, len(event.tokens), event.accept_length, event.timings)
+            yield step_of(event)
         result = stream.result
         assert result is not None
-        yield Outcome(
-            text=result.text,
-            completion_tokens=len(result.tokens),
-            finish_reason="length" if result.finish_reason == "length" else "stop",
-            mode=result.mode,
-            tau=result.tau,
-            steps=result.steps,
+        yield outcome_of(result)
+
+    def batch_generator(self, mode: str, max_batch: int) -> Any:
+        """A :class:`~dart_client.decoding.batch.BatchGenerator` for requests of ``mode``:
+        up to ``max_batch`` decoded together, each within ``max_model_len``."""
+        return self.model.batch_generator(
+            mode=mode, max_batch=max_batch, max_length=self.max_model_len
         )
+
+
+def step_of(event: Any) -> Step:
+    """A generation's stream event as the server's :class:`Step`."""
+    return Step(event.text, len(event.tokens), event.accept_length, event.timings)
+
+
+def outcome_of(result: Any) -> Outcome:
+    """A generation's result as the server's :class:`Outcome`."""
+    return Outcome(
+        text=result.text,
+        completion_tokens=len(result.tokens),
+        finish_reason="length" if result.finish_reason == "length" else "stop",
+        mode=result.mode,
+        tau=result.tau,
+        steps=result.steps,
+    )
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

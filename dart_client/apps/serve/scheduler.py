@@ -2,9 +2,11 @@
 
 A :class:`Job` is one request's generation. The HTTP side submits it and reads its
 :class:`asyncio.Queue` of messages (``Step``, then ``Outcome``, or a :class:`JobError`);
-the worker runs one job at a time (``DartModel`` is not thread-safe) and checks between
-steps whether the job was cancelled (client gone), timed out, or the server is shutting down.
-Every job ends with exactly one final message, so no request is lost silently.
+the worker (``DartModel`` is not thread-safe) runs one job at a time, or with ``max_batch``
+> 1 up to that many together, fused (continuous batching,
+:class:`~dart_client.decoding.batch.BatchGenerator`: jobs join and leave between steps). It
+checks between steps whether a job was cancelled (client gone), timed out, or the server is
+shutting down. Every job ends with exactly one final message, so no request is lost silently.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dart_client.apps.serve.generation import Engine, Outcome, Sampling, Step
+from dart_client.apps.serve.generation import (
+    Engine,
+    Outcome,
+    Sampling,
+    Step,
+    outcome_of,
+    step_of,
+)
 
 
 class JobError(Exception):
@@ -83,10 +92,11 @@ class Observer:
 class Scheduler:
     """``submit`` jobs; one worker thread runs them in arrival order.
 
-    ``max_queue``: jobs waiting (not counting the running one) before ``submit`` raises
+    ``max_queue``: jobs waiting (not counting the running ones) before ``submit`` raises
     :class:`QueueFull`. ``timeout``: seconds from submission after which a job ends with a
     504 error (waiting or running). ``shutdown(grace)`` refuses new jobs, lets the queued and
     running ones finish for up to ``grace`` seconds, then ends the rest with a 503 error.
+    ``max_batch``: jobs decoded together (1: one at a time).
     """
 
     def __init__(
@@ -96,8 +106,12 @@ class Scheduler:
         max_queue: int,
         timeout: float,
         observer: Observer | None = None,
+        max_batch: int = 1,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
+        self.max_batch = max_batch
         self.max_queue = max_queue
         self.timeout = timeout
         self.observer = observer or Observer()
@@ -106,9 +120,12 @@ class Scheduler:
         self._closing = False
         self._abort = False  # grace is over: end every job now
         self._running: Job | None = None
+        #: Jobs being decoded together (``max_batch`` > 1).
+        self._live = 0
         self._numbers = itertools.count(1)
         self._mean_seconds = 5.0  # running mean of a job's time, for Retry-After
-        self._thread = threading.Thread(target=self._work, name="dart-serve-worker", daemon=True)
+        work = self._work if max_batch == 1 else self._work_batched
+        self._thread = threading.Thread(target=work, name="dart-serve-worker", daemon=True)
         self._thread.start()
 
     # -- the HTTP side ----------------------------------------------------------------------
@@ -119,7 +136,7 @@ class Scheduler:
             if self._closing:
                 raise ShuttingDown()
             if len(self._queue) >= self.max_queue:
-                busy = len(self._queue) + (self._running is not None)
+                busy = len(self._queue) + (self._running is not None) + self._live
                 raise QueueFull(max(1, round(busy * self._mean_seconds)))
             job.number = next(self._numbers)
             self._queue.append(job)
@@ -205,9 +222,7 @@ class Scheduler:
                     self._abandon(job, reason)
                     return
         except Exception as err:  # a bug or a bad input the checks missed: report, keep serving
-            status = 400 if isinstance(err, ValueError | TypeError) else 500
-            kind = "invalid_request_error" if status == 400 else "server_error"
-            self._abandon(job, JobError(status, f"{type(err).__name__}: {err}", kind))
+            self._fail(job, err)
         finally:
             close: Callable[[], Any] | None = getattr(events, "close", None)
             if close is not None:
@@ -216,3 +231,84 @@ class Scheduler:
     def _abandon(self, job: Job, reason: JobError) -> None:
         self.observer.abandoned(job, reason.code or reason.type)
         job._send(reason)
+
+    # -- the batched worker -----------------------------------------------------------------
+
+    def _admit(self, live: int) -> list[Job] | None:
+        """Jobs to start now: as many queued ones as there are free rows (waiting for one
+        when nothing runs); None when the worker is to stop."""
+        with self._cond:
+            while not self._queue and not live:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            jobs = []
+            while self._queue and live + len(jobs) < self.max_batch:
+                jobs.append(self._queue.popleft())
+            if jobs:
+                self.observer.queue_depth(len(self._queue))
+            return jobs
+
+    def _work_batched(self) -> None:
+        engine = self.engine
+        # One per mode in use (a "dart" one needs the head): made on first use.
+        generators: dict[str, Any] = {}
+        live: dict[tuple[str, int], Job] = {}
+        last: dict[Job, float] = {}
+        while (jobs := self._admit(len(live))) is not None:
+            for job in jobs:
+                reason = self._stopped(job)
+                if reason is not None:
+                    self._abandon(job, reason)
+                    continue
+                mode = engine.mode(job.sampling)
+                try:
+                    config = engine.config(job.ids, job.sampling, self.max_batch)
+                    if mode not in generators:
+                        generators[mode] = engine.batch_generator(mode, self.max_batch)
+                    request = generators[mode].add(config, input_ids=job.ids)
+                except Exception as err:  # a bad input the checks missed: report, serve on
+                    self._fail(job, err)
+                    continue
+                live[(mode, request)] = job
+            self._live = len(live)
+            for mode, batch in list(generators.items()):
+                if batch.done:
+                    continue
+                try:
+                    events = batch.step()
+                except Exception as err:  # a bug: every job of this batch gets the error
+                    for key in [k for k in live if k[0] == mode]:
+                        self._fail(live.pop(key), err)
+                    generators[mode] = engine.batch_generator(mode, self.max_batch)
+                    continue
+                now = time.monotonic()
+                for request, event in events:
+                    job = live[(mode, request)]
+                    step = step_of(event)
+                    first = job not in last
+                    since = job.submitted if first else last[job]
+                    self.observer.step(job, step, now - since, first)
+                    last[job] = now
+                    job._send(step)
+                for request, result in batch.pop_finished().items():
+                    job = live.pop((mode, request))
+                    last.pop(job, None)
+                    outcome = outcome_of(result)
+                    self.observer.outcome(job, outcome)
+                    job._send(outcome)
+                    self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (now - job.submitted)
+                for key in [k for k in live if k[0] == mode]:
+                    reason = self._stopped(live[key])
+                    if reason is not None:
+                        batch.cancel(key[1])
+                        job = live.pop(key)
+                        last.pop(job, None)
+                        self._abandon(job, reason)
+            self._live = len(live)
+        self._live = 0
+
+    def _fail(self, job: Job, err: Exception) -> None:
+        status = 400 if isinstance(err, ValueError | TypeError) else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        self._abandon(job, JobError(status, f"{type(err).__name__}: {err}", kind))

@@ -21,7 +21,13 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dart_client.apps.options import DTYPE_CHOICES
-from dart_client.apps.ui.race import RaceSettings, prompt_ids, race, render_pane, render_stats
+from dart_client.apps.ui.race import (
+    RaceSettings,
+    prompt_ids,
+    race_lanes,
+    render_pane,
+    render_stats,
+)
 from dart_client.errors import DartError
 
 if TYPE_CHECKING:
@@ -40,8 +46,15 @@ CSS = """
 """
 
 
-def build_app(model: DartModel, *, max_new_tokens: int = 64, title: str | None = None) -> Any:
-    """The Blocks page over ``model`` (which needs a head and a pruner for the DART side)."""
+def build_app(
+    model: DartModel,
+    *,
+    max_new_tokens: int = 64,
+    title: str | None = None,
+    eagle3: DartModel | None = None,
+) -> Any:
+    """The Blocks page over ``model`` (which needs a head and a pruner for the DART side);
+    ``eagle3``, a DartModel with an EAGLE-3 head on the same target, adds a third lane."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
 
@@ -65,7 +78,7 @@ def build_app(model: DartModel, *, max_new_tokens: int = 64, title: str | None =
         max_new: float,
         budget: str,
         seed: float,
-    ) -> Iterator[tuple[str, str, str, str, str]]:
+    ) -> Iterator[tuple[str, ...]]:
         if not prompt or not prompt.strip():
             raise gr.Error("Type a prompt first.")
         try:
@@ -84,20 +97,20 @@ def build_app(model: DartModel, *, max_new_tokens: int = 64, title: str | None =
         except DartError as err:  # a setting out of range: the user's to fix
             raise gr.Error(str(err)) from None
         if tree_budget == "auto" and model.tree_tuning is None:
-            yield "", "", "", "", "Measuring the best tree budget on this machine (once)..."
+            blank = ("",) * (len(outputs) - 1)
+            yield (*blank, "Measuring the best tree budget on this machine (once)...")
         try:
             ids = prompt_ids(model, prompt)
         except Exception as err:  # a bad prompt is the user's to fix: show it
             raise gr.Error(str(err)) from None
-        for ar, dart in race(model, ids, settings):
-            status = _status(model, settings, ar.done and dart.done)
-            yield (
-                render_pane(tokenizer, ar, highlight=False),
-                render_stats(ar),
-                render_pane(tokenizer, dart, highlight=True),
-                render_stats(dart, ar),
-                status,
-            )
+        for sides in race_lanes(model, ids, settings, eagle3):
+            ar = sides["ar"]
+            status = _status(model, settings, all(s.done for s in sides.values()))
+            panes: list[str] = []
+            for name, side in sides.items():
+                panes.append(render_pane(tokenizer, side, highlight=name != "ar"))
+                panes.append(render_stats(side, None if name == "ar" else ar))
+            yield (*panes, status)
 
     with gr.Blocks(title=title, analytics_enabled=False) as app:
         gr.Markdown(
@@ -138,9 +151,16 @@ def build_app(model: DartModel, *, max_new_tokens: int = 64, title: str | None =
                 gr.Markdown("### DART")
                 dart_stats = gr.HTML(elem_id="dart-stats")
                 dart_text = gr.HTML(elem_id="dart-pane")
+            lanes = [ar_text, ar_stats, dart_text, dart_stats]
+            if eagle3 is not None:
+                with gr.Column():
+                    gr.Markdown("### EAGLE-3")
+                    eagle3_stats = gr.HTML(elem_id="eagle3-stats")
+                    eagle3_text = gr.HTML(elem_id="eagle3-pane")
+                lanes += [eagle3_text, eagle3_stats]
         gr.Examples(EXAMPLES, inputs=[prompt])
         inputs = [prompt, temperature, top_p, top_k, max_new, budget, seed]
-        outputs = [ar_text, ar_stats, dart_text, dart_stats, status]
+        outputs = [*lanes, status]
         # One race at a time, whichever way it is started: both share the model's caches and
         # taps, and two at once would halve each other's speed.
         for trigger in (go.click, prompt.submit):
@@ -194,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128, help="the slider's start value")
+    p.add_argument(
+        "--eagle3-head",
+        help="add an EAGLE-3 lane with this checkpoint (directory, hub id, or 'auto': the one "
+        "shipped for the embedded SmolLM2)",
+    )
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     import torch
 
@@ -202,7 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build_model(args.base, args.head, args.ngram, dtype=args.dtype)
-    app = build_app(model, max_new_tokens=args.max_new_tokens)
+    eagle3 = None
+    if args.eagle3_head:
+        from dart_client.dart_model import DartModel
+        from dart_client.loading import load_eagle3_head
+
+        head = load_eagle3_head(
+            args.eagle3_head, model.target.config, embedded_target=args.base is None
+        )
+        eagle3 = DartModel(model.target, tokenizer=model.tokenizer, eagle3=head)
+    app = build_app(model, max_new_tokens=args.max_new_tokens, eagle3=eagle3)
     print(f"dart demo: serving on http://{args.host}:{args.port}", file=sys.stderr)
     launch(app, host=args.host, port=args.port, block=True)
     return 0

@@ -1,6 +1,7 @@
 """The side-by-side race behind the demo page, free of any UI code.
 
-The same prompt is streamed through ``ar_generate`` and ``dart_generate`` on one model. Both
+The same prompt is streamed through ``ar_generate`` and ``dart_generate`` on one model (and,
+given an EAGLE-3 model on the same target, through EAGLE-3's drafter as a third lane). All
 run in this thread, one step at a time, always advancing the one that has used *less* compute
 so far: at any moment both have had the same time, so the pane that is further ahead is the
 faster method, and each side's tokens/s counts its own steps only (running them in two threads
@@ -67,14 +68,31 @@ def race(
     model: DartModel, ids: list[int], settings: RaceSettings, min_interval: float = 0.05
 ) -> Iterator[tuple[Side, Side]]:
     """Yields (ar, dart) after steps (at most every ``min_interval`` s), and once at the end."""
+    for sides in race_lanes(model, ids, settings, min_interval=min_interval):
+        yield sides["ar"], sides["dart"]
+
+
+def race_lanes(
+    model: DartModel,
+    ids: list[int],
+    settings: RaceSettings,
+    eagle3: DartModel | None = None,
+    min_interval: float = 0.05,
+) -> Iterator[dict[str, Side]]:
+    """Yields every lane's :class:`Side` by name (``ar``, ``dart``, and ``eagle3`` when an
+    EAGLE-3 model on the same target is given) after steps, and once at the end. EAGLE-3
+    drafts its published tree unless the budget is an int."""
     config = settings.for_prompt(len(ids))
-    # Both streams are set up (the budget tuned, when "auto") before either is timed.
+    # Every stream is set up (the budget tuned, when "auto") before any is timed.
     streams = {
         "ar": model.generate(ids, config, mode="ar", stream=True),
         "dart": model.generate(ids, config, stream=True),
     }
+    if eagle3 is not None:
+        own = config.tree_budget if isinstance(config.tree_budget, int) else None
+        streams["eagle3"] = eagle3.generate(ids, config.replace(tree_budget=own), stream=True)
     iters = {k: iter(s) for k, s in streams.items()}
-    sides = {"ar": Side("ar"), "dart": Side("dart")}
+    sides = {name: Side(name) for name in streams}
     last = 0.0
     while not all(s.done for s in sides.values()):
         side = min((s for s in sides.values() if not s.done), key=lambda s: s.seconds)
@@ -91,7 +109,7 @@ def race(
         now = time.perf_counter()
         if now - last >= min_interval or all(s.done for s in sides.values()):
             last = now
-            yield sides["ar"], sides["dart"]
+            yield sides
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -144,13 +162,14 @@ def render_pane(tokenizer: Any, side: Side, highlight: bool) -> str:
 
 
 def render_stats(side: Side, other: Side | None = None) -> str:
-    """tokens, tokens/s, tau (DART), steps, and the speedup over ``other`` when given."""
+    """tokens, tokens/s, tau (the drafters), steps, and the speedup over ``other`` when
+    given."""
     items = [
         ("tokens", f"{side.tokens}"),
         ("tok/s", f"{side.tokens_per_s:.1f}"),
         ("steps", f"{len(side.steps)}"),
     ]
-    if side.name == "dart":
+    if side.name != "ar":
         items.append(("tau", f"{side.tau:.2f}"))
         sizes = side.tree_sizes[1:]
         if sizes:

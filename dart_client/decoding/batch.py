@@ -1,0 +1,340 @@
+"""Batched generation: many sequences decoded together, fused, with continuous batching.
+
+:class:`BatchGenerator` keeps up to ``max_batch`` sequences (rows) in batched caches
+(:class:`~dart_client.models.target.TargetCache` / :class:`~dart_client.models.head.HeadCache`
+with ``batch`` > 1: each row of its own length). One :meth:`BatchGenerator.step` is, for
+every live row at once:
+
+1. draft  -- ONE head forward over each row's newly accepted positions + mask slots
+             (:func:`~dart_client.decoding.draft.draft_rows_batch`);
+2. prune  -- ONE ``prune_batch`` call builds every row's tree
+             (:func:`~dart_client.decoding.prune.build_trees`);
+3. verify -- ONE target forward over all trees, padded to the largest
+             (:func:`~dart_client.decoding.verify.verify_trees`);
+4. accept -- per row, greedy or recursive rejection with the row's own sampling settings
+             and generator; each row's accepted K/V are compacted to its own length;
+5. emit   -- per row: length, EOS and stop strings (the single-sequence loop's own code).
+
+``mode="ar"`` runs the same step with root-only trees: one (rows, 1) forward per step.
+Rows join between steps (:meth:`add`; a prompt is prefilled alone, then copied into its
+row, so a row's cache is exactly what a lone generation's would be) and leave as soon as
+they finish or are cancelled (:meth:`cancel`; their slot is free for the next step);
+:meth:`pop_finished` hands the results over. :func:`generate_batch` runs a fixed batch to the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dart_client.decoding.accept import accept_greedy, accept_sampling
+from dart_client.decoding.config import GenerationConfig
+from dart_client.decoding.draft import DraftRows, draft_rows_batch
+from dart_client.decoding.loop import (
+    STAGES,
+    DecodingModel,
+    GenerationResult,
+    StreamEvent,
+    _Run,
+    new_run,
+)
+from dart_client.decoding.prune import build_trees, pruner_max_nodes
+from dart_client.decoding.verify import Tree, verify_trees
+from dart_client.errors import ContextTooLongError, InvalidArgumentError
+
+
+@dataclass
+class _Row:
+    """A live sequence: its generation state and what its next draft reads."""
+
+    request: int
+    run: _Run
+    start: float
+    #: The last forward's taps at the accepted positions (r, 3H) and the tokens after them.
+    taps: torch.Tensor | None = None
+    next_ids: list[int] | None = None
+
+
+class BatchGenerator:
+    """Continuous batching over one model: :meth:`add` requests, :meth:`step` them all at
+    once, :meth:`pop_finished` the results.
+
+    ``max_length`` bounds prompt + new tokens of every request (the batched caches are
+    allocated for it); ``max_batch`` bounds the live rows (more requests wait their turn).
+    """
+
+    def __init__(
+        self,
+        model: DecodingModel,
+        *,
+        mode: str = "dart",
+        max_batch: int = 8,
+        max_length: int = 2048,
+    ) -> None:
+        if mode not in ("dart", "ar"):
+            raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
+        if mode == "dart" and getattr(model, "eagle3", None) is not None:
+            raise InvalidArgumentError(
+                "batched generation drafts with a DART head only; an EAGLE-3 model generates "
+                "one sequence at a time"
+            )
+        if mode == "dart" and (model.head is None or model.tree_builder is None):
+            raise InvalidArgumentError(
+                "this DartModel has no draft head / n-gram pruner: use mode='ar', or load one"
+            )
+        if max_batch < 1 or max_length < 2:
+            raise InvalidArgumentError(
+                f"max_batch = {max_batch}, max_length = {max_length}: need >= 1 and >= 2"
+            )
+        self.model = model
+        self.mode = mode
+        self.max_batch = max_batch
+        self.max_length = max_length
+        target = model.target
+        self.target = target
+        self.device = target.device
+        self.head = model.head if mode == "dart" else None
+        # A row's tree is written at the frontier (the longest row), not at its own length.
+        nodes = pruner_max_nodes(getattr(model.tree_builder, "pruner", None))
+        tree = 1 + (max_length if nodes is None else min(nodes, max_length))
+        self.cache = target.new_cache(
+            max_length + (tree if self.head is not None else 1), max_batch
+        )
+        self.head_cache = None
+        if self.head is not None:
+            capacity = self.cache.capacity + self.head.config.draft_length + tree
+            self.head_cache = self.head.new_cache(capacity, max_batch)
+        self.rows: list[_Row] = []
+        self.waiting: deque[tuple[int, _Run]] = deque()
+        self.finished: dict[int, GenerationResult] = {}
+        self._ids = itertools.count()
+        #: Seconds per stage over every step (:data:`~dart_client.decoding.loop.STAGES`).
+        self.timings = dict.fromkeys(STAGES, 0.0)
+        self.steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(
+        self,
+        config: GenerationConfig,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        input_ids: Any = None,
+    ) -> int:
+        """Queue a request; returns its id. Validated now: a bad request (empty, longer than
+        the context, ...) raises here and leaves the batch as it was."""
+        run = new_run(self.model, config, self.mode, prompt, messages, input_ids)
+        if run.max_length > self.max_length:
+            if len(run.prompt) >= self.max_length:
+                raise ContextTooLongError(
+                    f"the prompt has {len(run.prompt)} tokens; this batch's max_length "
+                    f"({self.max_length}) leaves no room for a new token"
+                )
+            run.max_length = self.max_length
+        request = next(self._ids)
+        self.waiting.append((request, run))
+        return request
+
+    @property
+    def live(self) -> int:
+        """Sequences being decoded."""
+        return len(self.rows)
+
+    @property
+    def done(self) -> bool:
+        """Nothing live and nothing waiting."""
+        return not self.rows and not self.waiting
+
+    def pop_finished(self) -> dict[int, GenerationResult]:
+        """The results of the requests finished since the last call, by request id."""
+        out, self.finished = self.finished, {}
+        return out
+
+    def cancel(self, request: int) -> bool:
+        """Drop a waiting or live request (no result); its row is free for the next step.
+        False when it is unknown or already finished."""
+        for i, (waiting, _) in enumerate(self.waiting):
+            if waiting == request:
+                del self.waiting[i]
+                return True
+        for b, row in enumerate(self.rows):
+            if row.request == request:
+                self._free(b)
+                return True
+        return False
+
+    def _free(self, b: int) -> None:
+        """Free row ``b``: the last live row moves into it, in the caches and here."""
+        self.cache.drop_row(b)
+        if self.head_cache is not None:
+            self.head_cache.drop_row(b)
+        self.rows[b] = self.rows[-1]
+        self.rows.pop()
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _admit(self) -> list[tuple[int, StreamEvent]]:
+        """Prefill waiting requests into free rows, each alone (its cache is a lone
+        generation's), and emit their first tokens."""
+        events = []
+        while self.waiting and len(self.rows) < self.max_batch:
+            request, run = self.waiting.popleft()
+            start = run._clock()
+            prompt = run.prompt
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            positions = torch.arange(len(prompt), device=self.device).unsqueeze(0)
+            single = self.target.new_cache(len(prompt))
+            logits, taps = self.target.forward(
+                ids, positions, single, logits_to_keep=1, taps=self.head is not None
+            )
+            first = run._pick(logits[0, -1])
+            event = run._emit([first], 1, 0, {})
+            if run.finish is not None:
+                run.timings["prefill"] += run._clock() - start
+                self.finished[request] = run.result(start)
+                events.append((request, event))
+                continue
+            row = _Row(request, run, start)
+            slot = len(self.rows)
+            self.cache.put_row(slot, single)
+            if self.head is not None:
+                assert taps is not None and self.head_cache is not None
+                # The head reads the prompt's positions but the last now; the last (with
+                # the first token) joins the row's first batched draft.
+                head_single = self.head.new_cache(len(prompt) + self.head.config.draft_length)
+                if len(prompt) > 1:
+                    self.head(
+                        taps[:, :-1].to(self.head.fc.weight.dtype),
+                        ids[:, 1:],
+                        head_single,
+                        num_masks=0,
+                    )
+                self.head_cache.put_row(slot, head_single)
+                row.taps, row.next_ids = taps[0, -1:], [first]
+            self.rows.append(row)
+            run.timings["prefill"] += run._clock() - start
+            events.append((request, event))
+        return events
+
+    def step(self) -> list[tuple[int, StreamEvent]]:
+        """Admit waiting requests, then one fused step over every live row. Returns the
+        (request id, event) of every row that produced tokens (first tokens included)."""
+        events = self._admit()
+        if not self.rows:
+            return events
+        rows = self.rows
+        clock = rows[0].run._clock
+        stage: dict[str, float] = {}
+        t = clock()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = clock()
+            stage[name] = stage.get(name, 0.0) + now - t
+            t = now
+
+        budgets = [row.run.tree_budget_now() for row in rows]
+        if self.head is not None:
+            assert self.head_cache is not None
+            drafts: list[DraftRows] = draft_rows_batch(
+                self.head,
+                self.head_cache,
+                [r.taps for r in rows if r.taps is not None],
+                [r.next_ids for r in rows if r.next_ids is not None],
+                self.model.draft_top_k,
+            )
+            lap("draft")
+            inputs = [
+                row.run.pruner_inputs(max(b, 0)) for row, b in zip(rows, budgets, strict=True)
+            ]
+            assert self.model.tree_builder is not None
+            trees = build_trees(
+                self.model.tree_builder,
+                [c for c, _ in inputs],
+                drafts,
+                [max(b, 0) for b in budgets],
+                [p for _, p in inputs],
+            )
+            lap("prune")
+        else:
+            trees = [Tree.root_only(row.run.generated[-1]) for row in rows]
+        frontier = self.cache.length
+        logits, taps = verify_trees(self.target, self.cache, trees, taps=self.head is not None)
+        forward = self.target.last_forward_seconds
+        lap("inputs")
+        stage["inputs"] -= forward
+        stage["verify"] = forward
+        accepted = []
+        for b, (row, tree) in enumerate(zip(rows, trees, strict=True)):
+            run = row.run
+            accepted.append(
+                accept_greedy(tree, logits[b])
+                if run.params.greedy
+                else accept_sampling(tree, logits[b], run.params, run.generator)
+            )
+        lap("accept")
+        self.cache.keep_rows(frontier, [a.nodes for a in accepted], self.device)
+        lap("compact")
+        for b, (row, tree, acc) in enumerate(zip(rows, trees, accepted, strict=True)):
+            new = acc.new_tokens
+            events.append((row.request, row.run._emit(new, len(new), len(tree), stage)))
+            if taps is not None:
+                index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
+                row.taps, row.next_ids = taps[b].index_select(0, index), new
+        lap("emit")
+        self.steps += 1
+        for name, seconds in stage.items():
+            self.timings[name] += seconds
+            for row in rows:
+                row.run.timings[name] += seconds
+        # Finished rows leave now, the highest first (the last live row moves into a freed
+        # one, so lower indices stay valid).
+        for b in reversed(range(len(rows))):
+            row = rows[b]
+            if row.run.finish is None:
+                continue
+            self.finished[row.request] = row.run.result(row.start)
+            self._free(b)
+        return events
+
+
+def generate_batch(
+    model: DecodingModel,
+    prompts: Sequence[Any],
+    config: GenerationConfig,
+    *,
+    mode: str = "dart",
+    max_batch: int | None = None,
+) -> list[GenerationResult]:
+    """Generate for every prompt (text, or token ids) together, fused: the results in
+    order. At most ``max_batch`` (default: all) are decoded at once; the others take the
+    rows the finished ones free. ``config.tree_budget`` must be resolved
+    (``DartModel.generate_batch`` does it). Every prompt is validated before anything runs."""
+    if not prompts:
+        return []
+    limit = model.target.max_positions
+    max_length = config.max_length if limit is None else min(config.max_length, limit)
+    rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+    batch = BatchGenerator(model, mode=mode, max_batch=rows, max_length=max_length)
+    ids = []
+    for i, prompt in enumerate(prompts):
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            ids.append(
+                batch.add(config, prompt=text, input_ids=None if text is not None else prompt)
+            )
+        except InvalidArgumentError as err:  # empty, too long, ...: say which prompt
+            raise type(err)(f"prompt {i}: {err}") from None
+    results: dict[int, GenerationResult] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    results.update(batch.pop_finished())
+    return [results[i] for i in ids]

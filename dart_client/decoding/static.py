@@ -1,0 +1,561 @@
+"""The static verification path: fixed shapes, device-side acceptance, CUDA graphs on a GPU.
+
+On a GPU a decoding step of a small model is dominated by the host: hundreds of kernel
+launches from Python, a new attention plan and new allocations for every new cache length.
+:class:`StaticVerifier` makes every verification forward one of a few fixed shapes, so
+that on cuda each is captured once as a CUDA graph and a step is
+
+1. one host-to-device copy: the tree (tokens, depths, parents, ancestor mask) and the
+   cache length, packed in one pinned buffer;
+2. one graph replay: positions, write slots and the attention mask made from those on the
+   device, the target's forward over the tree padded to its bucket, greedy acceptance, the
+   accepted nodes' K/V compacted into place, the accepted rows' taps gathered;
+3. one device-to-host copy: the accepted count, the bonus token and the accepted path.
+
+Shapes: the tree is padded to the smallest of a few bucket sizes (:func:`bucket_sizes`);
+padded nodes see only themselves, no real node sees them, and they are never accepted. The
+KV cache is the preallocated :class:`~dart_client.models.target.TargetCache` in static mode
+(:meth:`~dart_client.models.target.TargetCache.set_slots`): keys are written at slots given
+by a device tensor and attention reads the whole buffer under an additive float mask
+``(bucket, capacity)``. That is the attention path chosen on purpose: SDPA with a padded
+static mask has one shape per bucket, so no per-length plan (cuDNN), no allocator growth and
+no new cuBLAS heuristics inside the loop, it runs on every SDPA backend that takes an
+arbitrary mask (the memory-efficient kernel on cuda is preferred; math is the fallback), and
+it goes through transformers' own attention path unchanged (one code path for every
+supported target). Its cost is attending over the whole capacity instead of the used
+length: small on a GPU for the contexts DART serves, which is why the static path is the
+default there and not on the CPU (``GenerationConfig.static``).
+
+On the CPU (and on cuda with ``graphs=False``) the same buffers and the same program run
+eagerly, which is what the CPU tests check against the dynamic path.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dart_client.decoding.accept import Acceptance
+from dart_client.decoding.draft import DraftRows
+from dart_client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from dart_client.decoding.verify import Tree
+    from dart_client.models.head import DartHead, HeadCache
+    from dart_client.models.target import TargetCache, TargetModel
+
+#: Tree sizes (root included) the verification forward is padded to, up to the largest tree.
+BASE_BUCKETS = (1, 8, 16, 32, 64)
+#: Larger trees are padded to a multiple of this.
+BUCKET_STEP = 32
+#: The static cache's capacity is rounded up to a multiple of this (aligned rows for the
+#: memory-efficient attention kernel's mask, and fewer distinct capacities to capture).
+CAPACITY_ALIGN = 256
+
+
+def bucket_sizes(max_tree: int) -> tuple[int, ...]:
+    """The buckets for trees of at most ``max_tree`` nodes (root included): the base
+    sizes below it and the first size (a base one or a multiple of :data:`BUCKET_STEP`)
+    that holds it."""
+    if max_tree < 1:
+        raise InvalidArgumentError(f"a tree has at least one node, got {max_tree}")
+    sizes = [b for b in BASE_BUCKETS if b < max_tree]
+    top = next((b for b in BASE_BUCKETS if b >= max_tree), None)
+    sizes.append(top if top is not None else math.ceil(max_tree / BUCKET_STEP) * BUCKET_STEP)
+    return tuple(sizes)
+
+
+def static_capacity(max_length: int, max_tree: int) -> int:
+    """A static cache's capacity for ``max_length`` tokens: room for a padded tree after
+    the last position and one trash slot (where compaction sends the rejected nodes)."""
+    return _aligned(max_length + bucket_sizes(max_tree)[-1] + 1)
+
+
+def static_head_capacity(capacity: int, masks: int) -> int:
+    """The head cache's capacity next to a static target cache of ``capacity``: the head's
+    length never exceeds the target's, so a padded draft (a tree's worth of rows, then
+    ``masks`` mask slots) and a trash slot fit after it."""
+    return _aligned(capacity + masks + 1)
+
+
+def _aligned(positions: int) -> int:
+    return math.ceil(positions / CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+#: Words of the packed input before the tree: the target cache's length, the tree's node
+#: count, the head cache's length.
+HEADER = 3
+
+
+@dataclass
+class _Bucket:
+    """One bucket's static buffers and, on cuda, its captured graphs."""
+
+    size: int
+    #: Pinned on cuda: [HEADER, tokens, depths, parents, mask bytes] (int64 words).
+    host_in: torch.Tensor
+    device_in: torch.Tensor
+    slots: torch.Tensor  # the target cache positions the forward writes
+    head_slots: torch.Tensor | None  # the head cache positions its draft writes
+    #: [count, bonus, path nodes, draft ids, draft probs] (float64: exact for all of them).
+    host_out: torch.Tensor
+    outputs: dict[str, Any]
+    graphs: dict[str, Any]
+
+
+@dataclass
+class StaticStep:
+    """What one greedy static step returns: the acceptance, the accepted rows' taps
+    ``(1, len(nodes), 3H)`` (a view of a static buffer: read it before the next step) and,
+    with a head, the next step's draft rows (drafted in the same replay)."""
+
+    acceptance: Acceptance
+    taps: torch.Tensor
+    rows: DraftRows | None = None
+
+
+class StaticVerifier:
+    """Fixed-shape verification over one :class:`TargetCache` (see the module docstring).
+
+    ``graphs``: capture each bucket's program as a CUDA graph the first time it runs (cuda
+    only); otherwise it runs eagerly, buffers and all. With a ``head``, a greedy step also
+    drafts the next step's rows (top ``top_k`` per row) from the accepted nodes, in the same
+    program and the same copy out, over :attr:`head_cache` (the head's static cache).
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        cache: TargetCache,
+        max_tree: int,
+        *,
+        graphs: bool,
+        buckets: tuple[int, ...] | None = None,
+        head: DartHead | None = None,
+        top_k: int = 0,
+        head_cache: HeadCache | None = None,
+    ) -> None:
+        """``buckets``: the padded sizes (default :func:`bucket_sizes` of ``max_tree``);
+        ``head_cache``: the head's cache to use (a conversation's), else a new one."""
+        device = target.device
+        if graphs and device.type != "cuda":
+            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        devices = target.layer_devices()
+        if len(devices) != 1:
+            where = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"the static path needs the target on one device, not on {where} "
+                "(pass static=False)"
+            )
+        self.target = target
+        self.cache = cache
+        self.device = device
+        self.graphs = graphs
+        self.buckets = tuple(sorted(buckets)) if buckets else bucket_sizes(max_tree)
+        if self.buckets[-1] < max_tree:
+            raise InvalidArgumentError(
+                f"static buckets {self.buckets} cannot hold a tree of {max_tree} nodes"
+            )
+        self.capacity = cache.capacity
+        #: Rejected nodes' K/V are "compacted" here, never into a live position.
+        self.trash = self.capacity - 1
+        self._state: dict[int, _Bucket] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
+        self._columns = torch.arange(self.capacity, device=device)
+        self.head = head
+        self.head_cache: HeadCache | None = None
+        if head is not None:
+            if top_k < 1:
+                raise InvalidArgumentError(f"draft top-k must be >= 1, got {top_k}")
+            self.top_k = min(top_k, head.config.draft_vocab_size)
+            self.masks = head.config.draft_length
+            # The head's length never exceeds the target's: room for a padded draft (the
+            # accepted rows, then the mask slots) after it, and a trash slot.
+            head_capacity = static_head_capacity(self.capacity, self.masks)
+            if head_cache is not None and head_cache.capacity != head_capacity:
+                raise InvalidArgumentError(
+                    f"a static head cache holds {head_capacity} positions here, not "
+                    f"{head_cache.capacity}"
+                )
+            self.head_cache = head_cache or head.new_cache(head_capacity)
+            self.head_trash = head_capacity - 1
+            self._head_columns = torch.arange(head_capacity, device=device)
+            dtype = head.fc.weight.dtype
+            # Every position's RoPE rows computed once (the graphs read this table).
+            self._rope = head.rope(0, head_capacity, torch.empty((), dtype=dtype, device=device))
+            self._draft_to_target = head.draft_to_target
+        self.clear_tail()
+
+    def clear_tail(self) -> None:
+        """Zero every K/V position from the cache's length on: the static forward attends
+        over the whole buffer, and a masked key must weigh exactly 0 (0 x an uninitialised
+        NaN is not 0). Once per generation; what a step leaves there later is finite."""
+        caches: list[Any] = [self.cache, self.head_cache]
+        for cache in caches:
+            if cache is None:
+                continue
+            length = cache.length
+            for buffer, batch_axis in cache.buffers():
+                dim = batch_axis + 2  # the sequence axis
+                buffer.narrow(dim, length, buffer.shape[dim] - length).zero_()
+
+    @property
+    def max_tree(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        """The bucket a tree of ``n`` nodes is padded to."""
+        for size in self.buckets:
+            if size >= n:
+                return size
+        raise InvalidArgumentError(
+            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
+        )
+
+    # -- the step -------------------------------------------------------------------------
+
+    def greedy_step(self, tree: Tree) -> StaticStep:
+        """Verify ``tree`` at the cache's length, accept greedily and compact on the device;
+        the cache's length then counts the accepted nodes. The three phases (copy in,
+        replay, copy out) are :meth:`load`, :meth:`run_greedy` and :meth:`accepted`."""
+        state = self.load(tree)
+        out = self.run_greedy(state)
+        return self.accepted(state, out, tree)
+
+    def run_greedy(self, state: _Bucket) -> dict[str, Any]:
+        """The loaded bucket's forward, acceptance and compaction (one graph on cuda)."""
+        return self._execute(state, "greedy")
+
+    def accepted(self, state: _Bucket, out: dict[str, Any], tree: Tree) -> StaticStep:
+        """The one device-to-host copy of a greedy step (count, bonus, path) and its
+        reading; moves the cache's length past the accepted nodes."""
+        host = state.host_out
+        host.copy_(out["result"], non_blocking=host.is_pinned())  # the one copy out
+        if host.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()
+        values = host.numpy()
+        size = state.size
+        count, bonus = int(values[0]), int(values[1])
+        nodes = values[2 : 2 + count].astype(np.int64).tolist()
+        self.cache.truncate(self.cache.length + count)
+        acceptance = Acceptance(
+            nodes=nodes, tokens=[tree.tokens[i] for i in nodes[1:]], bonus=bonus
+        )
+        rows = None
+        if self.head_cache is not None:
+            self.head_cache.length += count
+            shape = (self.masks + 1, self.top_k)
+            cells = shape[0] * shape[1]
+            drafted = values[2 + size : 2 + size + 2 * cells]
+            rows = DraftRows(
+                ids=drafted[:cells].astype(np.int64).reshape(shape),
+                probs=drafted[cells:].astype(np.float32).reshape(shape),
+            )
+        return StaticStep(acceptance, out["taps"][:, :count], rows)
+
+    def forward(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward alone (sampling accepts on the host): logits (n, V) and taps
+        (1, n, 3H) of the tree's own nodes; the cache's length grows by n, as the dynamic
+        verification's does, for the caller's :meth:`TargetCache.keep`."""
+        state = self.load(tree)
+        out = self._execute(state, "forward")
+        n = len(tree)
+        self.cache.truncate(self.cache.length + n)
+        return out["logits"][0, :n], out["taps"][:, :n]
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def load(self, tree: Tree) -> _Bucket:
+        """Pack the tree into its bucket's host buffer and send it in one copy."""
+        n = len(tree)
+        size = self.bucket(n)
+        head = self.head_cache
+        if self.cache.length + size > self.trash or (
+            head is not None and head.length + size + self.masks > self.head_trash
+        ):
+            raise InvalidArgumentError(
+                f"static cache overflow: a {size}-node bucket at length {self.cache.length} "
+                f"needs more than the capacity of {self.capacity}"
+            )
+        state = self._state.get(size) or self._new_bucket(size)
+        self._pack(state, tree)
+        state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
+        return state
+
+    def _new_bucket(self, size: int) -> _Bucket:
+        words = HEADER + 3 * size + math.ceil(size * size / 8)
+        pinned = self.device.type == "cuda"
+        host_in = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
+        drafted = 0 if self.head is None else 2 * (self.masks + 1) * self.top_k
+        head_slots = None
+        if self.head is not None:
+            head_slots = torch.zeros(size + self.masks, dtype=torch.int64, device=self.device)
+        state = _Bucket(
+            size=size,
+            host_in=host_in,
+            device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
+            slots=torch.zeros(size, dtype=torch.int64, device=self.device),
+            head_slots=head_slots,
+            host_out=torch.zeros(2 + size + drafted, dtype=torch.float64, pin_memory=pinned),
+            outputs={},
+            graphs={},
+        )
+        self._state[size] = state
+        return state
+
+    def _pack(self, state: _Bucket, tree: Tree) -> None:
+        size, n = state.size, len(tree)
+        words = state.host_in.numpy()
+        words[:] = 0
+        words[0], words[1] = self.cache.length, n
+        words[2] = 0 if self.head_cache is None else self.head_cache.length
+        words[HEADER : HEADER + n] = tree.tokens
+        words[HEADER + size : HEADER + size + n] = tree.depths.numpy()
+        parents = np.asarray(tree.parents, dtype=np.int64)
+        words[HEADER + 2 * size + 1 : HEADER + 2 * size + n] = parents[1:]
+        mask = words[HEADER + 3 * size :].view(np.uint8)[: size * size].reshape(size, size)
+        mask[:n, :n] = tree.mask.numpy()
+        # A padded node sees only itself (a well-defined softmax); nothing sees it.
+        pad = np.arange(n, size)
+        mask[pad, pad] = 1
+
+    # -- the device program ------------------------------------------------------------------
+
+    def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        if not self.graphs:
+            with self._attention():
+                return self._program(state, kind)
+        graph = state.graphs.get(kind)
+        if graph is None:
+            graph = self._capture(state, kind)
+        graph.replay()
+        return state.outputs[kind]
+
+    def _capture(self, state: _Bucket, kind: str) -> Any:
+        """Capture ``kind``'s program for this bucket, after warm-up runs on a side stream
+        (as CUDA graphs require). The warm-ups run on the inputs just loaded, which is
+        harmless: the program is idempotent (it rewrites every node's K/V at and after the
+        length before it compacts, and reads nothing else there), so the replay that
+        follows leaves what one run would."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), self._attention():
+            for _ in range(2):
+                self._program(state, kind)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), self._attention():
+            state.outputs[kind] = self._program(state, kind)
+        state.graphs[kind] = graph
+        return graph
+
+    def _attention(self) -> AbstractContextManager[Any]:
+        """On cuda, SDPA's memory-efficient kernel (any additive mask, no per-shape plan),
+        math as the fallback; elsewhere PyTorch's choice."""
+        if self.device.type != "cuda":
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    @torch.no_grad()
+    def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        """Everything between the two copies, in fixed shapes: read the packed inputs, run
+        the padded forward, and for ``kind == "greedy"`` accept and compact."""
+        size = state.size
+        words = state.device_in
+        length, n, head_length = words[0], words[1], words[2]
+        tokens = words[HEADER : HEADER + size]
+        depths = words[HEADER + size : HEADER + 2 * size]
+        parents = words[HEADER + 2 * size : HEADER + 3 * size]
+        mask_words = words[HEADER + 3 * size :]
+        sees = mask_words.view(torch.uint8)[: size * size].view(size, size).bool()
+        nodes = torch.arange(size, device=self.device)
+        state.slots.copy_(nodes + length)
+        mask = self._mask(sees, length, size)
+        self.cache.set_slots(state.slots)
+        try:
+            logits, taps = self.target.run(
+                tokens.unsqueeze(0), (depths + length).unsqueeze(0), mask, self.cache
+            )
+        finally:
+            self.cache.set_slots(None)
+        assert taps is not None
+        if kind == "forward":
+            return {"logits": logits, "taps": taps}
+        # Greedy acceptance: a node is accepted when its token is the target's argmax at its
+        # parent, it is the first such child (as the host walk takes it), and so are all of
+        # its ancestors; padded nodes never are.
+        best = logits[0].argmax(-1)
+        real = nodes < n
+        is_root = nodes == 0
+        match = ((tokens == best[parents]) & real) | is_root
+        candidate = torch.where(match & ~is_root, nodes, size)
+        first = torch.full((size,), size, dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(0, parents, candidate, "amin")
+        match = match & ((first[parents] == nodes) | is_root)
+        accepted = ~(sees & ~match.unsqueeze(0)).any(1) & real
+        count = accepted.sum().unsqueeze(0)
+        last = torch.where(accepted, depths, -1).argmax().unsqueeze(0)
+        bonus = best[last]
+        # The accepted path in depth order (rejected nodes land in a spare last entry).
+        path = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
+        path = path.scatter(0, torch.where(accepted, depths, size), nodes)[:size]
+        # Compaction: accepted node i moves from length + i to length + depth(i).
+        source = nodes + length
+        target = torch.where(accepted, depths + length, self.trash)
+        for buffer, batch_axis in self.cache.buffers():
+            dim = batch_axis + 2  # the sequence axis
+            buffer.index_copy_(dim, target, buffer.index_select(dim, source))
+        parts = [count, bonus, path]
+        if self.head is not None:
+            assert state.head_slots is not None
+            ids, probs = self._draft(
+                state.head_slots, taps, tokens[path], path, count, bonus, head_length
+            )
+            parts += [ids.flatten(), probs.flatten()]
+        return {
+            "result": torch.cat([p.double() for p in parts]),
+            "taps": taps.index_select(1, path),
+        }
+
+    def _draft(
+        self,
+        slots: torch.Tensor,
+        taps: torch.Tensor,
+        path_tokens: torch.Tensor,
+        path: torch.Tensor,
+        count: torch.Tensor,
+        bonus: torch.Tensor,
+        head_length: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's draft from the accepted nodes, in fixed shapes: the ``count`` real
+        rows right-aligned in ``size`` rows (so the last real row and the mask slots are the
+        layer's last rows, as :meth:`DartHead.forward` has them), the rows before them
+        padding (they see position 0 only, write to a trash slot, and nothing sees them).
+        Real row d sits at position ``head_length + d``, mask slot i at ``head_length +
+        count + i`` (its key stored after the padded block); the masks see the cache, the
+        real rows and the slots before them, as in the dynamic draft. Returns the top-k
+        target ids and probabilities per row, ``(masks + 1, k)``."""
+        head, head_cache = self.head, self.head_cache
+        assert head is not None and head_cache is not None
+        size, masks = path.shape[0], self.masks
+        rows = torch.arange(size, device=self.device)
+        depth = rows - (size - count)  # the real row's accepted depth; < 0: padding
+        real = depth >= 0
+        at = depth.clamp(min=0)
+        row_taps = taps[0].index_select(0, path[at]).unsqueeze(0)
+        # The token after accepted node d: the next accepted one, the bonus after the last.
+        following = path_tokens[(at + 1).clamp(max=size - 1)]
+        next_ids = torch.where(depth < count - 1, following, bonus).unsqueeze(0)
+        slot = torch.arange(masks, device=self.device)
+        positions = torch.cat(
+            [torch.where(real, head_length + depth, 0), head_length + count + slot]
+        )
+        slots.copy_(
+            torch.cat(
+                [torch.where(real, head_length + depth, self.head_trash), head_length + size + slot]
+            )
+        )
+        columns = self._head_columns.unsqueeze(0)
+        real_sees = torch.where(
+            real.unsqueeze(1), columns <= (head_length + depth).unsqueeze(1), columns == 0
+        )
+        mask_sees = (columns < head_length + count) | (
+            (columns >= head_length + size) & (columns <= (head_length + size + slot).unsqueeze(1))
+        )
+        visible = torch.cat([real_sees, mask_sees])
+        dtype = head.fc.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(0).unsqueeze(0)
+        cos, sin = self._rope
+        cos_sin = (cos.index_select(1, positions), sin.index_select(1, positions))
+        head_cache.slots = slots
+        try:
+            projected = head.project_taps(row_taps.to(dtype))
+            logits = head.draft_logits(projected, next_ids, head_cache, cos_sin, mask, masks)[0]
+        finally:
+            head_cache.slots = None
+        top = torch.topk(logits, self.top_k, dim=-1)
+        probs = torch.softmax(top.values.float(), dim=-1)
+        return self._draft_to_target[top.indices], probs
+
+    def _mask(self, sees: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
+        """Float mask (1, 1, size, capacity): every node sees the cache below ``length``
+        and, from ``length`` on, the tree nodes its row of ``sees`` allows; nothing else."""
+        offset = self._columns - length
+        in_tree = (offset >= 0) & (offset < size)
+        tree_part = sees[:, offset.clamp(0, size - 1)] & in_tree
+        visible = (offset < 0) | tree_part
+        dtype = self.target.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)
+        return mask.view(1, 1, size, self.capacity)
+
+
+def verifier_for(
+    target: TargetModel,
+    cache: TargetCache,
+    max_tree: int,
+    *,
+    graphs: bool,
+    head: DartHead | None = None,
+    top_k: int = 0,
+    head_cache: HeadCache | None = None,
+) -> StaticVerifier:
+    """The cache's static verifier for this head (kept on the cache, one per head and
+    setting, so AR and DART runs on one cache keep their graphs: those hold the cache's
+    buffers), made anew when the trees outgrow its buckets or ``head_cache`` (a
+    conversation's, to continue) is not its own."""
+    key = (id(head) if head is not None else None, top_k if head is not None else 0, graphs)
+    held = cache.static_verifiers.get(key)
+    if (
+        isinstance(held, StaticVerifier)
+        and held.target is target
+        and held.head is head
+        and held.max_tree >= max_tree
+        and (head_cache is None or held.head_cache is head_cache)
+    ):
+        return held
+    verifier = StaticVerifier(
+        target, cache, max_tree, graphs=graphs, head=head, top_k=top_k, head_cache=head_cache
+    )
+    cache.static_verifiers[key] = verifier
+    return verifier
+
+
+#: ``GenerationConfig.static`` values.
+STATIC_CHOICES: tuple[Any, ...] = (True, False, "auto")
+
+
+def resolve_static(value: bool | str, devices: set[torch.device]) -> bool:
+    """Whether a target whose weights are on ``devices`` takes the static path. ``"auto"``:
+    on one cuda device (on the CPU attending over the whole capacity costs more than it
+    saves; a target split over devices has no single place for the cache and the graphs)."""
+    if value == "auto":
+        return len(devices) == 1 and next(iter(devices)).type == "cuda"
+    return bool(value)
+
+
+def lend_cache(target: TargetModel, capacity: int) -> TargetCache:
+    """A static cache of at least ``capacity`` for one generation: a free one the target
+    holds (its captured graphs come with it) or a new one it then holds. Give it back with
+    :func:`return_cache`; a cache still lent (a generation in progress) is never shared."""
+    pool: list[TargetCache] = target.__dict__.setdefault("_static_caches", [])
+    free = [c for c in pool if not getattr(c, "lent", False) and c.capacity >= capacity]
+    cache = min(free, key=lambda c: c.capacity) if free else None
+    if cache is None:
+        cache = target.new_cache(capacity)
+        pool.append(cache)
+    cache.truncate(0)
+    cache.lent = True  # type: ignore[attr-defined]
+    return cache
+
+
+def return_cache(cache: TargetCache) -> None:
+    cache.lent = False  # type: ignore[attr-defined]

@@ -1,0 +1,349 @@
+"""Batched generation (``dart_client.decoding.batch``): fused steps over many sequences are
+lossless per sequence, rows join and leave between steps, and the batched caches keep each
+row's K/V where a lone sequence's would be."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_VOCAB, make_tiny_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_generate import (
+    COMPARED,
+    PROMPT,
+    SIBLING_PARAMS,
+    SMALL_VOCAB,
+    chi_square_pvalue,
+    exact_joint,
+    random_prompts,
+)
+
+from dart_client import DartModel
+from dart_client.decoding.config import GenerationConfig
+from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.sampling import target_probs
+from dart_client.decoding.verify import Tree
+from dart_client.errors import ContextTooLongError
+from dart_client.models.head import DartHead
+from dart_client.models.target import TargetCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return make_tiny_target("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def head(target: Any) -> DartHead:
+    return DartHead.random_init(target.config, draft_length=3, seed=11).double()
+
+
+class Truths:
+    """A tree builder that plants each sequence's true continuation (found by its last
+    tokens in ``truths``: prompt + the target's greedy output) under wrong branches, so
+    greedy steps accept several nodes and compaction moves rows by different amounts."""
+
+    def __init__(self, truths: Sequence[Sequence[int]], seed: int = 0, depth: int = 5) -> None:
+        self.truths = [list(t) for t in truths]
+        self.rng = np.random.default_rng(seed)
+        self.depth = depth
+        self.batches = 0
+
+    def continuation(self, context: np.ndarray) -> list[int]:
+        tail = [int(t) for t in context]
+        for truth in self.truths:
+            for end in range(len(truth), len(tail) - 1, -1):
+                if truth[end - len(tail) : end] == tail:
+                    return truth[end : end + self.depth]
+        return []
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        true = self.continuation(context)
+        k = int(self.rng.integers(0, len(true) + 1))
+        wrong = self.rng.integers(3, TINY_VOCAB, size=self.depth).tolist()
+        paths = [true[:k] + wrong[: self.depth - k], rows.ids[:, 0].tolist(), true[: k + 1]]
+        tree = Tree.from_paths(int(context[-1]), [p for p in paths if p])
+        n = min(len(tree), budget + 1)
+        return Tree.build(tree.tokens[:n], tree.parents[:n])
+
+    def build_batch(
+        self, contexts: Any, rows: Any, budgets: Any, lookup_paths: Any = None
+    ) -> list[Tree]:
+        self.batches += 1
+        return [self.build(c, r, b) for c, r, b in zip(contexts, rows, budgets, strict=True)]
+
+
+def alone(dm: DartModel, prompt: Sequence[int], mode: str, **kwargs: Any) -> list[int]:
+    return dm.generate(input_ids=list(prompt), mode=mode, **kwargs).tokens
+
+
+@pytest.mark.parametrize("mode", ["ar", "dart"])
+def test_greedy_batch_equals_each_prompt_alone_with_the_pruner(
+    mode: str, target: Any, head: DartHead, tiny_ngram_path: Any
+) -> None:
+    from dart_client.ngram import NGram
+
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), prompt_lookup=8)
+    # Ragged prompts (1 to 39 tokens); max_new 1 ends a row at its first token.
+    prompts = random_prompts(6, seed=3)
+    for max_new in (1, 9, 30):
+        got = dm.generate_batch(prompts, mode=mode, max_new_tokens=max_new)
+        for prompt, result in zip(prompts, got, strict=True):
+            assert result.tokens == alone(dm, prompt, mode, max_new_tokens=max_new)
+            assert result.mode == mode
+
+
+def test_greedy_batch_with_long_accepted_paths_equals_alone(target: Any, head: DartHead) -> None:
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(5, seed=8)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=40) for p in prompts]
+    builder = Truths(truths)
+    dm.tree_builder = builder
+    got = dm.generate_batch(prompts, max_new_tokens=40, tree_budget=12)
+    for prompt, truth, result in zip(prompts, truths, got, strict=True):
+        assert result.tokens == truth[len(prompt) :]
+    # What makes the test able to fail: several rows, long and uneven accepted paths.
+    steps = [a for r in got for a in r.accept_lengths[1:]]
+    assert max(steps) >= 4 and min(steps) == 1
+    assert builder.batches < sum(r.steps for r in got)
+
+
+def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
+    """Continuous batching: 2 slots, 6 requests added at different steps, rows ending at
+    different times (EOS, length, their first token); each output equals its prompt alone;
+    a request longer than the context is refused and the others go on."""
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(6, seed=12)
+    news = [25, 1, 14, 30, 3, 18]
+    truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
+    dm.tree_builder = Truths(truths, seed=1)
+    batch = dm.batch_generator(max_batch=2, max_length=64)
+    ids: dict[int, int] = {}
+    results: dict[int, Any] = {}
+    live_counts = []
+    for i, (prompt, new) in enumerate(zip(prompts, news, strict=True)):
+        config = dm.resolve_config(GenerationConfig(max_new_tokens=new, tree_budget=8))
+        ids[batch.add(config, input_ids=prompt)] = i
+        if i == 2:
+            with pytest.raises(ContextTooLongError, match="max_length"):
+                batch.add(config, input_ids=list(range(3, 70)))
+        batch.step()
+        live_counts.append(batch.live)
+        results.update(batch.pop_finished())
+    while not batch.done:
+        batch.step()
+        live_counts.append(batch.live)
+        results.update(batch.pop_finished())
+    assert max(live_counts) == 2 and live_counts[-1] == 0
+    assert len(results) == len(prompts)
+    assert not batch.cancel(0)  # finished: nothing to cancel
+    # No autograd history kept in the caches (it chained every request to the next: a leak).
+    assert batch.head_cache is not None and batch.head_cache._k is not None
+    assert not batch.head_cache._k.requires_grad
+    for request, result in results.items():
+        i = ids[request]
+        assert result.tokens == truths[i][len(prompts[i]) :], f"request {i}"
+
+
+def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(target: Any, head: DartHead) -> None:
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(4, seed=31)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=20) for p in prompts]
+    dm.tree_builder = Truths(truths, seed=2)
+    batch = dm.batch_generator(max_batch=3, max_length=64)
+    config = GenerationConfig(max_new_tokens=20, tree_budget=6)
+    ids = [batch.add(config, input_ids=p) for p in prompts]
+    batch.step()
+    assert batch.live == 3 and len(batch.waiting) == 1
+    assert batch.cancel(ids[0]) and batch.live == 2  # a live row (the first: others move)
+    assert batch.cancel(ids[3]) and not batch.waiting  # a waiting one
+    assert not batch.cancel(ids[3])
+    results: dict[int, Any] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    assert set(results) == {ids[1], ids[2]}
+    for i in (1, 2):
+        assert results[ids[i]].tokens == truths[i][len(prompts[i]) :]
+
+
+def test_all_rows_ending_together_and_a_bad_prompt(target: Any, head: DartHead) -> None:
+    dm = DartModel(target, head, tree_builder=Truths([]))
+    prompts = random_prompts(4, seed=21)
+    got = dm.generate_batch(prompts, mode="ar", max_new_tokens=5)
+    assert all(len(r.tokens) <= 5 for r in got)
+    assert [r.tokens for r in got] == [alone(dm, p, "ar", max_new_tokens=5) for p in prompts]
+    # Two rows at a time: the others join as rows free up.
+    two = dm.generate_batch(prompts, mode="ar", max_new_tokens=5, max_batch=2)
+    assert [r.tokens for r in two] == [r.tokens for r in got]
+    with pytest.raises(ContextTooLongError, match="prompt 1"):
+        dm.generate_batch([[5, 6], list(range(3, 300))], max_new_tokens=4, max_length=100)
+
+
+@pytest.fixture(scope="module")
+def sampling_model() -> Any:
+    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, layers=4, seed=5, init_range=0.3)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class LikeliestBatch:
+    """Under the root and each planted node, the 3 tokens the target's warped distribution
+    finds likeliest (a function of the prefix only, never of the target's draws, so
+    sampling stays lossless); the contexts hold the whole sequence (it stays under the
+    pruner's context length)."""
+
+    def __init__(self, model: Any, width: int = 3, depth: int = 2) -> None:
+        self.model, self.width, self.depth = model, width, depth
+        self.cache: dict[tuple[int, ...], list[int]] = {}
+
+    def likeliest(self, prefix: tuple[int, ...]) -> list[int]:
+        if prefix not in self.cache:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([prefix])).logits[0, -1]
+            p = target_probs(logits, SIBLING_PARAMS)
+            order = torch.argsort(p, descending=True, stable=True)[: self.width]
+            self.cache[prefix] = [int(t) for t in order if float(p[t]) > 0]
+        return self.cache[prefix]
+
+    def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        tokens, parents = [int(context[-1])], [-1]
+        frontier = [(0, tuple(int(t) for t in context))]
+        for _ in range(self.depth):
+            nxt = []
+            for node, prefix in frontier:
+                for tok in self.likeliest(prefix):
+                    tokens.append(tok)
+                    parents.append(node)
+                    nxt.append((len(tokens) - 1, (*prefix, tok)))
+            frontier = nxt
+        n = min(len(tokens), budget + 1)
+        return Tree.build(tokens[:n], parents[:n])
+
+
+def test_sampling_rows_keep_the_target_distribution_beside_greedy_rows(
+    sampling_model: Any,
+) -> None:
+    """Batches of 6 sampling rows (own seeds) and 2 greedy rows: the sampled rows' first
+    tokens follow the target's joint distribution (chi-square), the greedy rows equal
+    greedy decoding alone."""
+    head = DartHead.random_init(sampling_model.config, draft_length=2, seed=3, std=0.5).double()
+    dm = DartModel(sampling_model, head, tree_builder=LikeliestBatch(sampling_model))
+    exact = exact_joint(sampling_model, PROMPT, COMPARED, SIBLING_PARAMS)
+    p = SIBLING_PARAMS
+    greedy_want = alone(dm, PROMPT, "ar", max_new_tokens=COMPARED)
+    counts: Counter = Counter()
+    runs = 0
+    accepted = 0
+    for batch_no in range(150):
+        batch = dm.batch_generator(max_batch=8, max_length=16)
+        ids = {}
+        for j in range(8):
+            sampling = j < 6
+            config = GenerationConfig(
+                max_new_tokens=COMPARED,
+                temperature=p.temperature if sampling else 0.0,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                seed=batch_no * 8 + j,
+                tree_budget=12,
+            )
+            ids[batch.add(config, input_ids=PROMPT)] = sampling
+        results: dict[int, Any] = {}
+        while not batch.done:
+            batch.step()
+            results.update(batch.pop_finished())
+        for request, result in results.items():
+            if ids[request]:
+                counts[tuple(result.tokens)] += 1
+                runs += 1
+                accepted += sum(a - 1 for a in result.accept_lengths[1:])
+            else:
+                assert result.tokens == greedy_want
+    assert accepted >= runs // 2, "drafts were hardly accepted: the test would be vacuous"
+    pvalue = chi_square_pvalue(counts, exact, runs)
+    assert pvalue > 1e-3, f"batched samples differ from the target (p={pvalue:.2e})"
+
+
+# ---- the batched caches ---------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), stacked=st.booleans())
+def test_batched_cache_rows_hold_what_lone_caches_would(data: st.DataObject, stacked: bool) -> None:
+    layers, heads, dim = 3, 2, 4
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=torch.float64)
+
+    batch = TargetCache(layers, capacity=40, stacked=stacked, batch=3)
+    want: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for row in range(3):
+        n = data.draw(st.integers(1, 8))
+        lone = TargetCache(layers, capacity=n)
+        kv = [(rand(1, heads, n, dim), rand(1, heads, n, dim)) for _ in range(layers)]
+        for layer, (k, v) in zip(lone.layers, kv, strict=True):
+            layer.update(k, v)
+        batch.put_row(row, lone)
+        want.append(kv)
+    for _ in range(data.draw(st.integers(1, 3))):
+        n = data.draw(st.integers(1, 5))
+        start = batch.length
+        new = [(rand(3, heads, n, dim), rand(3, heads, n, dim)) for _ in range(layers)]
+        for layer, (k, v) in zip(batch.layers, new, strict=True):
+            layer.update(k[: len(batch.rows)], v[: len(batch.rows)])
+        keeps = [
+            sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
+            for _ in range(len(batch.rows))
+        ]
+        batch.keep_rows(start, keeps, torch.device("cpu"))
+        for row, keep in enumerate(keeps):
+            want[row] = [
+                (
+                    torch.cat((k0, k[row : row + 1, :, keep]), 2),
+                    torch.cat((v0, v[row : row + 1, :, keep]), 2),
+                )
+                for (k0, v0), (k, v) in zip(want[row], new, strict=True)
+            ]
+        if len(batch.rows) > 1 and data.draw(st.booleans()):
+            drop = data.draw(st.integers(0, len(batch.rows) - 1))
+            batch.drop_row(drop)
+            want[drop] = want[-1]
+            want.pop()
+    assert batch.length == max(batch.rows.lengths)
+    for row, kv in enumerate(want):
+        n = batch.rows.lengths[row]
+        for layer, (k, v) in zip(batch.layers, kv, strict=True):
+            assert torch.equal(layer.keys[row, :, :n], k[0])
+            assert torch.equal(layer.values[row, :, :n], v[0])
+
+
+def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(target: Any) -> None:
+    """AR rows draw from their own generators in a lone run's order: mixed greedy and
+    seeded sampling rows (own temperatures) equal each request run alone, token for token."""
+    dm = DartModel(target)
+    prompts = random_prompts(5, seed=40)
+    configs = [
+        GenerationConfig(max_new_tokens=12, temperature=t, top_p=0.9, seed=s)
+        for t, s in zip((0.0, 0.7, 1.0, 0.0, 1.3), (1, 2, 3, 4, 5), strict=True)
+    ]
+    batch = dm.batch_generator(mode="ar", max_batch=3, max_length=64)
+    ids = [batch.add(c, input_ids=p) for c, p in zip(configs, prompts, strict=True)]
+    results: dict[int, Any] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    for i, (config, prompt) in enumerate(zip(configs, prompts, strict=True)):
+        want = dm.generate(input_ids=prompt, config=config, mode="ar").tokens
+        assert results[ids[i]].tokens == want, f"request {i}"
+    assert len({tuple(r.tokens) for r in results.values()}) == len(prompts)
