@@ -363,3 +363,17 @@ def test_random_corpora_match_the_counter(
     ranked = sorted((-p, c) for c, (p, _) in enumerate(want) if p > 0)[:4]
     ids, _ = ng.top_k(ctx, 4)
     assert ids.tolist() == [c for _, c in ranked]
+
+
+def test_open_advice_changes_no_answer(tmp_path: Path) -> None:
+    """``random_access`` (MADV_RANDOM) and ``huge_pages`` are advice to the kernel about
+    paging: the answers are those of a plain open."""
+    path, counts = write(tmp_path, DOCS, 3, 8)
+    plain = NGram.open(path)
+    for advised in (NGram.open(path, random_access=True), NGram.open(path, huge_pages=True)):
+        for gram, n in counts.items():
+            assert advised.count(list(gram)) == n
+        for ctx in ([1], [1, 2], [2, 3]):
+            assert advised.top_k(ctx, 3)[0].tolist() == plain.top_k(ctx, 3)[0].tolist()
+    with pytest.raises(TypeError):
+        NGram.open(path, random_acess=True)  # type: ignore[call-arg]

@@ -60,6 +60,7 @@ class NGram(_native.NGram):
         huge_pages: bool = False,
         in_memory: bool = False,
         checksums: bool = True,
+        random_access: bool = False,
     ) -> NGram:
         """Maps a model file and checks it: header, section table and every section's
         checksum (one read of the file; ``checksums=False`` checks only the header, the section
@@ -69,7 +70,9 @@ class NGram(_native.NGram):
         ``populate`` reads it into the page cache now; ``lock`` pins it in RAM (mlock);
         ``huge_pages`` advises transparent huge pages; ``in_memory`` copies the file into
         anonymous memory on huge pages instead of mapping it (RAM for the whole model; random
-        lookups then rarely miss the TLB, which makes a prune faster when caches are cold).
+        lookups then rarely miss the TLB, which makes a prune faster when caches are cold);
+        ``random_access`` advises the kernel that page faults should read only their page
+        (``MADV_RANDOM``), for models much larger than RAM or queried cold.
         """
         return cls(
             os.fspath(path),
@@ -79,6 +82,7 @@ class NGram(_native.NGram):
             huge_pages=huge_pages,
             in_memory=in_memory,
             checksums=checksums,
+            random_access=random_access,
         )
 
     def prob(

@@ -2,6 +2,7 @@
 
     python -m dart_client.apps.bench.daemon_bench --model MODEL.ngram [--requests 2000]
         [--seconds 3] [--clients 1 4 16] [--threads 2] [--busy-poll-us 2000] [--in-memory]
+        [--skip-checksums] [--rss-after 10000]
 
 Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the same draft
 requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
@@ -12,6 +13,11 @@ requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
   process; and the round trip of an empty call (a health check), the transport's own floor;
 * throughput: prunes per second with 1, 4 and 16 concurrent clients, each client its own
   process (as GPU workers are), remote and in process.
+
+``--rss-after N`` then sends N more prunes (distinct drafts) through the daemon and reports its
+resident memory (``VmRSS``, and the resident pages of its mapping of the model: what the prunes
+touched, not the file's size; open the daemon with ``--skip-checksums`` for that, since checking
+every checksum at open reads the whole file through the mapping).
 
 ``--busy-poll-us`` starts the daemon busy-polling (``dart-ngram serve --busy-poll-us``: one
 serving thread that keeps reading its sockets that long after each request instead of
@@ -206,6 +212,50 @@ def throughput(
     return sum(done / elapsed for done, elapsed in results)
 
 
+def rss_kb(pid: int) -> dict[str, int]:
+    """``VmRSS``, ``RssAnon`` and ``RssFile`` of a process, in kB (Linux)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def mapping_rss_kb(pid: int, path: str) -> int:
+    """Resident kB of a process's mappings of the file ``path`` (``/proc/PID/smaps``)."""
+    target = os.path.realpath(path)
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == target
+            elif inside and fields[:1] == ["Rss:"]:
+                total += int(fields[1])
+    return total
+
+
+def rss_after_prunes(
+    remote: Any, drafts: list[Draft], n: int, pid: int, model: str
+) -> dict[str, float]:
+    """The daemon's resident memory before and after ``n`` prunes through it (drafts cycled)."""
+    before = {**rss_kb(pid), "model": mapping_rss_kb(pid, model)}
+    t0 = time.perf_counter()
+    for i in range(n):
+        d = drafts[i % len(drafts)]
+        remote.prune(d.context, d.topk_ids, d.topk_probs)
+    seconds = time.perf_counter() - t0
+    after = {**rss_kb(pid), "model": mapping_rss_kb(pid, model)}
+    return {
+        **{f"{k}_before_kb": v for k, v in before.items()},
+        **{f"{k}_after_kb": v for k, v in after.items()},
+        "prunes": n,
+        "prunes_per_s": n / seconds,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the .ngram model to serve")
@@ -228,6 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="open the model in anonymous memory on huge pages (daemon and in process)",
     )
+    ap.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="daemon --skip-checksums (open reads only the small sections)",
+    )
+    ap.add_argument(
+        "--rss-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then send N prunes through the daemon and report its resident memory",
+    )
     args = ap.parse_args(argv)
 
     from dart_client.ngram.daemon import LocalDaemon
@@ -239,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         extra += ["--busy-poll-us", str(args.busy_poll_us)]
     if args.in_memory:
         extra += ["--in-memory"]
+    if args.skip_checksums:
+        extra += ["--skip-checksums"]
     with LocalDaemon(args.model, *extra) as daemon:
         url = daemon.url
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
@@ -286,6 +350,19 @@ def main(argv: list[str] | None = None) -> int:
             f"p99 {empty[1]:.1f} us (spin {SPIN * 1e3:g} ms: p50 {empty_spin[0]:.1f} us, p99 "
             f"{empty_spin[1]:.1f} us)."
         )
+        if args.rss_after:
+            more = make_drafts(args.model, args.rss_after, args.levels, args.k, args.seed + 1)
+            r = rss_after_prunes(
+                pruners["remote"], more, args.rss_after, daemon.proc.pid, args.model
+            )
+            print(
+                f"\nDaemon resident memory after {r['prunes']:,} more prunes "
+                f"({r['prunes_per_s']:,.0f}/s, one client): VmRSS {r['VmRSS_after_kb']:,} kB, "
+                f"of which the model's mapped pages {r['model_after_kb']:,} kB and anonymous "
+                f"memory {r['RssAnon_after_kb']:,} kB; before them VmRSS "
+                f"{r['VmRSS_before_kb']:,} kB (model pages {r['model_before_kb']:,} kB); model "
+                f"file {os.path.getsize(args.model):,} bytes."
+            )
     return 0
 
 

@@ -14,6 +14,9 @@ pub struct Args {
     /// Check every section checksum and invariant (reads the whole file).
     #[arg(long)]
     pub verify: bool,
+    /// List every section: bytes, bytes per stored n-gram, share of the file.
+    #[arg(long)]
+    pub sections: bool,
 }
 
 pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -54,5 +57,54 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.verify {
         println!("verified         ok (checksums and structure)");
     }
+    if args.sections {
+        print_sections(&info);
+    }
     Ok(())
+}
+
+/// Where the bytes go: per section, and per kind over all orders.
+fn print_sections(info: &dart_ngram::Info) {
+    let per = |b: u64| b as f64 / info.total_ngrams.max(1) as f64;
+    let share = |b: u64| 100.0 * b as f64 / info.bytes.max(1) as f64;
+    println!();
+    println!(
+        "{:<16} {:>5} {:>15} {:>10} {:>7}",
+        "section", "order", "bytes", "B/n-gram", "share"
+    );
+    let mut kinds: Vec<(&str, u64)> = Vec::new();
+    let mut covered = 0;
+    for s in &info.sections {
+        println!(
+            "{:<16} {:>5} {:>15} {:>10.3} {:>6.1}%",
+            s.kind,
+            s.order,
+            s.length,
+            per(s.length),
+            share(s.length)
+        );
+        covered += s.length;
+        match kinds.iter_mut().find(|(k, _)| *k == s.kind) {
+            Some((_, b)) => *b += s.length,
+            None => kinds.push((s.kind, s.length)),
+        }
+    }
+    let header = info.bytes - covered;
+    println!(
+        "{:<16} {:>5} {:>15} {:>10.3} {:>6.1}%",
+        "header",
+        "",
+        header,
+        per(header),
+        share(header)
+    );
+    println!();
+    println!(
+        "{:<16} {:>15} {:>10} {:>7}",
+        "kind (all orders)", "bytes", "B/n-gram", "share"
+    );
+    kinds.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+    for (k, b) in kinds {
+        println!("{:<16} {:>15} {:>10.3} {:>6.1}%", k, b, per(b), share(b));
+    }
 }

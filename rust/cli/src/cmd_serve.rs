@@ -63,6 +63,10 @@ pub struct Args {
     /// for the whole model, per daemon; faster lookups when caches are cold).
     #[arg(long, conflicts_with_all = ["populate", "huge_pages"])]
     in_memory: bool,
+    /// Advise random access for the mapping (MADV_RANDOM: a page fault reads one page, not
+    /// the kernel's read-around window): for models larger than RAM or served cold.
+    #[arg(long, conflicts_with = "in_memory")]
+    random_access: bool,
     /// Check every invariant too before serving (a full scan; every section's checksum is
     /// checked at open anyway unless --skip-checksums).
     #[arg(long)]
@@ -184,6 +188,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             huge_pages: args.huge_pages,
             in_memory: args.in_memory,
             skip_checksums: args.skip_checksums,
+            random_access: args.random_access,
         },
         placement,
         threads: args.threads,

@@ -624,11 +624,23 @@ fn count_document(
     order: usize,
     bits: u32,
 ) -> Result<()> {
-    for (i, &t) in doc.iter().enumerate() {
-        unigrams[t as usize] += 1;
-        let mut k = u64::from(t);
-        for (n, &next) in (2..=order).zip(&doc[i + 1..]) {
-            k = (k << bits) | u64::from(next);
+    // The table is probed at random, far beyond the caches: the keys of a block of positions
+    // are computed and their slots prefetched first, so that the adds overlap their misses.
+    const BLOCK: usize = 16;
+    let mut keys: Vec<(usize, u64)> = Vec::with_capacity(BLOCK * order);
+    for (b, block) in doc.chunks(BLOCK).enumerate() {
+        keys.clear();
+        for (j, &t) in block.iter().enumerate() {
+            unigrams[t as usize] += 1;
+            let i = b * BLOCK + j;
+            let mut k = u64::from(t);
+            for (n, &next) in (2..=order).zip(&doc[i + 1..]) {
+                k = (k << bits) | u64::from(next);
+                counter.prefetch(n, k);
+                keys.push((n, k));
+            }
+        }
+        for &(n, k) in &keys {
             counter.add(n, k, 1)?;
         }
     }

@@ -5,6 +5,8 @@
 //!   ([`tokenize`]) and counting within a memory budget ([`extsort`]).
 //! * [`import::import_dart`] converts the reference implementation's `.trie` file with bounded
 //!   memory; [`reference`] writes and naively reads that format (for tests).
+//! * [`synth::synth`] writes a synthetic pre-tokenized corpus (Zipf unigrams, long-tailed
+//!   continuations) for measuring the engine at scale.
 //!
 //! Both stream sorted counts into [`dart_ngram::writer::write_model`]; errors are
 //! [`dart_ngram::NGramError`].
@@ -15,6 +17,7 @@ pub mod corpus;
 pub mod extsort;
 pub mod import;
 pub mod reference;
+pub mod synth;
 pub mod tokenize;
 
 pub use build::{build, parse_memory, BuildOptions, BuildReport};

@@ -43,6 +43,10 @@ pub struct OpenOptions {
     /// for the whole model, and in exchange 2 MB pages, so the random lookups of a prune stop
     /// missing the TLB (page-cache mappings get 4 KB pages on most kernels).
     pub in_memory: bool,
+    /// Advise random access for the mapping (`MADV_RANDOM`): a page fault then reads just
+    /// its page instead of the kernel's read-around window (128 KB by default), which helps
+    /// queries into a model much larger than RAM or with cold pages, and hurts scans.
+    pub random_access: bool,
 }
 
 /// How much of a file open checked (see [`OpenOptions`] and `docs/ngram-format.md`).
@@ -352,6 +356,10 @@ impl NGramModel {
             // Best effort: kernels without THP for file mappings just decline.
             let _ = model.map.advise(Advice::HugePage);
         }
+        if opts.random_access && !opts.in_memory {
+            // Best effort, as huge pages.
+            let _ = model.map.advise(Advice::Random);
+        }
         if opts.lock {
             model.map.lock().map_err(io)?;
         }
@@ -540,6 +548,33 @@ impl NGramModel {
     pub fn ngrams_per_order(&self) -> Vec<u64> {
         self.header.orders.iter().map(|r| r.ngrams).collect()
     }
+    /// Drops the model's pages from this process and from the page cache (where nothing else
+    /// maps them), so that the next queries read from disk as in a fresh process on a cold
+    /// machine: `madvise(MADV_DONTNEED)` on the mapping, then `posix_fadvise(DONTNEED)` on
+    /// the file. For benchmarks; an in-memory model has nothing to evict (an error).
+    pub fn evict_pages(&self) -> Result<()> {
+        let Some((file, _)) = &self.mapped else {
+            return Err(NGramError::InvalidArgument(
+                "an in-memory model has no file pages to evict".into(),
+            ));
+        };
+        let io = |e: std::io::Error| NGramError::io(&self.path, e);
+        // SAFETY: the mapping is a read-only, shared file mapping: after DONTNEED its pages
+        // are read again from the file on the next touch, with the same contents.
+        unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        }
+        .map_err(io)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid descriptor; the call only drops clean cached pages.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(io(std::io::Error::from_raw_os_error(rc)));
+        }
+        Ok(())
+    }
+
     /// File size in bytes.
     pub fn bytes(&self) -> u64 {
         self.map.len() as u64
@@ -2113,8 +2148,16 @@ mod tests {
                 huge_pages: true,
                 in_memory,
                 skip_checksums: false,
+                random_access: !in_memory,
             };
             let m = NGramModel::open_with(&path, &opts).unwrap();
+            check_against(&m, &c, &contexts_of(&c));
+            // Evicting the pages changes no answer (they are read again from the file); an
+            // in-memory copy has none to evict.
+            match m.evict_pages() {
+                Ok(()) => assert!(!in_memory),
+                Err(e) => assert!(in_memory && e.to_string().contains("in-memory"), "{e}"),
+            }
             check_against(&m, &c, &contexts_of(&c));
         }
         let m = NGramModel::open(&path).unwrap();

@@ -20,45 +20,12 @@ use std::sync::{Arc, Mutex};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dart_ngram::{key, write_model, CountStream, ModelMeta, NGramModel, WriteOptions};
-use dart_pruner::{DraftRequest, NGramScorer, Pruner, PrunerConfig, PrunerError};
+use dart_pruner::workload::{draft_requests, walk_documents, OwnedRequest, Rng, Zipf};
+use dart_pruner::{NGramScorer, Pruner, PrunerConfig, PrunerError};
 
 const VOCAB: u32 = 49152;
 const LEVELS: usize = 8;
 const K: usize = 25;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // splitmix64
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-struct Zipf(Vec<f64>);
-impl Zipf {
-    fn new(n: u32, s: f64) -> Zipf {
-        let mut acc = 0.0;
-        Zipf(
-            (1..=n)
-                .map(|r| {
-                    acc += (r as f64).powf(-s);
-                    acc
-                })
-                .collect(),
-        )
-    }
-    fn sample(&self, rng: &mut Rng) -> u32 {
-        let u = rng.unit() * self.0.last().unwrap();
-        self.0.partition_point(|&c| c < u).min(self.0.len() - 1) as u32
-    }
-}
 
 /// Documents of Zipfian tokens where, half of the time, the next token is one of a few
 /// preferred successors of the previous one (so contexts have skewed continuations).
@@ -68,7 +35,7 @@ fn synthetic_corpus(tokens: usize, rng: &mut Rng) -> Vec<Vec<u32>> {
     let mut docs = vec![];
     let mut total = 0;
     while total < tokens {
-        let len = 50 + (rng.next() % 450) as usize;
+        let len = 50 + (rng.next_u64() % 450) as usize;
         let mut doc = Vec::with_capacity(len);
         let mut prev = zipf.sample(rng);
         for _ in 0..len {
@@ -125,66 +92,6 @@ fn write_synthetic_model(docs: &[Vec<u32>], path: &std::path::Path) {
     write_model(path, &meta, &unigrams, streams, &WriteOptions::default()).unwrap();
 }
 
-/// One draft-like request: (context, ids, probs).
-type Owned = (Vec<u32>, Vec<u32>, Vec<f32>);
-
-fn draft_requests(model: &NGramModel, docs: &[Vec<u32>], n: usize, rng: &mut Rng) -> Vec<Owned> {
-    let vocab = model.vocab_size();
-    let zipf = Zipf::new(vocab, 1.1);
-    let mut out = vec![];
-    while out.len() < n {
-        let doc = &docs[(rng.next() % docs.len() as u64) as usize];
-        if doc.len() < 16 + LEVELS + 1 {
-            continue;
-        }
-        let pos = 15 + (rng.next() % (doc.len() - 16 - LEVELS) as u64) as usize;
-        let context = doc[pos - 15..=pos].to_vec();
-        let mut ids = Vec::with_capacity(LEVELS * K);
-        let mut probs = Vec::with_capacity(LEVELS * K);
-        for l in 0..LEVELS {
-            let truth = doc[pos + 1 + l] % vocab;
-            let mut row: Vec<u32> = vec![];
-            let push = |t: u32, row: &mut Vec<u32>| {
-                if row.len() < K && !row.contains(&t) {
-                    row.push(t);
-                }
-            };
-            // The draft is right at the top a decaying share of the time.
-            if rng.unit() < 0.8 / (l as f64 + 1.0).sqrt() {
-                push(truth, &mut row);
-            }
-            let mut ctx = context.clone();
-            ctx.extend(&doc[pos + 1..pos + 1 + l]);
-            for (t, _) in model.top_k(&ctx, 10).unwrap() {
-                push(t, &mut row);
-            }
-            push(truth, &mut row);
-            while row.len() < K {
-                push(zipf.sample(rng), &mut row);
-            }
-            // Softmax over decaying logits with noise.
-            let logits: Vec<f64> = (0..K).map(|j| -0.35 * j as f64 + rng.unit()).collect();
-            let z: f64 = logits.iter().map(|x| x.exp()).sum();
-            ids.extend(row);
-            probs.extend(logits.iter().map(|x| (x.exp() / z) as f32));
-        }
-        out.push((context, ids, probs));
-    }
-    out
-}
-
-fn request(o: &Owned) -> DraftRequest<'_> {
-    DraftRequest {
-        context: &o.0,
-        topk_ids: &o.1,
-        topk_probs: &o.2,
-        levels: LEVELS,
-        k: K,
-        budget: None,
-        lookup_path: &[],
-    }
-}
-
 /// Records every lookup one prune makes, for the replay bench.
 struct Recorder<'a> {
     model: &'a NGramModel,
@@ -211,7 +118,7 @@ impl NGramScorer for Recorder<'_> {
 
 struct Setup {
     model: Arc<NGramModel>,
-    requests: Vec<Owned>,
+    requests: Vec<OwnedRequest>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -231,38 +138,14 @@ fn setup() -> Setup {
         }
     };
     let model = Arc::new(NGramModel::open(&path).unwrap());
-    let docs = docs.unwrap_or_else(|| walk_documents(&model, &mut rng));
-    let requests = draft_requests(&model, &docs, 256, &mut rng);
+    let docs = docs.unwrap_or_else(|| walk_documents(&model, 300, 60, &mut rng));
+    let requests = draft_requests(&model, &docs, 256, LEVELS, K, &mut rng);
     eprintln!("bench model: {} ({} bytes)", path.display(), model.bytes());
     Setup {
         model,
         requests,
         _dir: dir,
     }
-}
-
-/// Text-like token sequences sampled from a real model (for `DART_BENCH_MODEL`).
-fn walk_documents(model: &NGramModel, rng: &mut Rng) -> Vec<Vec<u32>> {
-    let vocab = u64::from(model.vocab_size());
-    let mut docs = vec![];
-    while docs.len() < 300 {
-        let mut doc = vec![(rng.next() % vocab) as u32];
-        while doc.len() < 60 {
-            let mut next = model.top_k(&doc, 8).unwrap();
-            if next.is_empty() {
-                // An unseen pair (or token): continue from the last token alone.
-                next = model.top_k(&doc[doc.len() - 1..], 8).unwrap();
-            }
-            match next.len() {
-                0 => break,
-                n => doc.push(next[(rng.next() % n as u64) as usize].0),
-            }
-        }
-        if doc.len() == 60 {
-            docs.push(doc);
-        }
-    }
-    docs
 }
 
 fn benches(c: &mut Criterion) {
@@ -276,7 +159,8 @@ fn benches(c: &mut Criterion) {
         },
     )
     .unwrap();
-    let reqs: Vec<DraftRequest<'_>> = s.requests.iter().map(request).collect();
+    let reqs: Vec<dart_pruner::DraftRequest<'_>> =
+        s.requests.iter().map(OwnedRequest::request).collect();
     let sizes: Vec<usize> = reqs
         .iter()
         .map(|r| pruner.prune(r).unwrap().len() - 1)

@@ -23,6 +23,7 @@ pub mod lookup;
 pub mod rows;
 pub mod scorer;
 pub mod tree;
+pub mod workload;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -62,7 +62,7 @@ fn json_to_py(py: Python<'_>, v: &impl serde::Serialize) -> PyResult<Py<PyAny>> 
 impl PyNGram {
     #[new]
     #[allow(clippy::too_many_arguments)] // keyword-only options of one constructor
-    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false, checksums=true))]
+    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false, checksums=true, random_access=false))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -72,6 +72,7 @@ impl PyNGram {
         huge_pages: bool,
         in_memory: bool,
         checksums: bool,
+        random_access: bool,
     ) -> PyResult<Self> {
         let opts = OpenOptions {
             verify,
@@ -80,6 +81,7 @@ impl PyNGram {
             huge_pages,
             in_memory,
             skip_checksums: !checksums,
+            random_access,
         };
         let model = py
             .detach(|| NGramModel::open_with(&path, &opts))
