@@ -282,11 +282,14 @@ class LikeliestSiblings(TrackingBuilder):
         return self.cache[prefix]
 
     def build(self, context: Any, rows: Any, budget: int) -> Any:
+        return self.grow(self.check_root(context), tuple(self.sequence), budget)
+
+    def grow(self, root: int, sequence: tuple[int, ...], budget: int) -> Any:
+        """The tree under ``root`` (the last token of ``sequence``), cut to the budget."""
         from dart_client.decoding.verify import Tree
 
-        root = self.check_root(context)
         tokens, parents = [root], [-1]
-        frontier = [(0, tuple(self.sequence))]
+        frontier = [(0, sequence)]
         for _ in range(self.depth):
             nxt = []
             for node, prefix in frontier:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_target
+from conftest import TINY_VOCAB, LikeliestSiblings, make_tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generate import (
@@ -27,7 +27,6 @@ from test_generate import (
 from dart_client import DartModel
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows
-from dart_client.decoding.sampling import target_probs
 from dart_client.decoding.verify import Tree
 from dart_client.errors import ContextTooLongError
 from dart_client.models.head import DartHead
@@ -196,38 +195,15 @@ def sampling_model() -> Any:
     return model
 
 
-class LikeliestBatch:
-    """Under the root and each planted node, the 3 tokens the target's warped distribution
-    finds likeliest (a function of the prefix only, never of the target's draws, so
-    sampling stays lossless); the contexts hold the whole sequence (it stays under the
-    pruner's context length)."""
+class LikeliestBatch(LikeliestSiblings):
+    """:class:`LikeliestSiblings` for rows of a batch: the contexts hold each row's whole
+    sequence (it stays under the pruner's context length), so no tracking is needed."""
 
     def __init__(self, model: Any, width: int = 3, depth: int = 2) -> None:
-        self.model, self.width, self.depth = model, width, depth
-        self.cache: dict[tuple[int, ...], list[int]] = {}
-
-    def likeliest(self, prefix: tuple[int, ...]) -> list[int]:
-        if prefix not in self.cache:
-            with torch.no_grad():
-                logits = self.model(torch.tensor([prefix])).logits[0, -1]
-            p = target_probs(logits, SIBLING_PARAMS)
-            order = torch.argsort(p, descending=True, stable=True)[: self.width]
-            self.cache[prefix] = [int(t) for t in order if float(p[t]) > 0]
-        return self.cache[prefix]
+        super().__init__(model, SIBLING_PARAMS, width, depth)
 
     def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
-        tokens, parents = [int(context[-1])], [-1]
-        frontier = [(0, tuple(int(t) for t in context))]
-        for _ in range(self.depth):
-            nxt = []
-            for node, prefix in frontier:
-                for tok in self.likeliest(prefix):
-                    tokens.append(tok)
-                    parents.append(node)
-                    nxt.append((len(tokens) - 1, (*prefix, tok)))
-            frontier = nxt
-        n = min(len(tokens), budget + 1)
-        return Tree.build(tokens[:n], parents[:n])
+        return self.grow(int(context[-1]), tuple(int(t) for t in context), budget)
 
 
 def test_sampling_rows_keep_the_target_distribution_beside_greedy_rows(
