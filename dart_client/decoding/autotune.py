@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -482,23 +482,29 @@ def _verify_costs(
         return lambda: verify_tree(target, cache, trees[b])
 
     runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    # Every shape once before any is timed: a first run pays for new shapes (attention
-    # plans, allocations, kernel choices; on cuda the graph capture), which no later
-    # step does.
+    ms = _median_ms(runs, repeats, clock, lambda: cache.truncate(n))
+    return {b: ms[b] for b in budgets}, ms[-1]
+
+
+def _median_ms(
+    runs: dict[int, Callable[[], Any]], repeats: int, clock: _Clock, reset: Callable[[], None]
+) -> dict[int, float]:
+    """Median milliseconds of each run over ``repeats`` rounds (``reset`` after every run).
+    Every run goes once before any is timed: a first run pays for new shapes (attention
+    plans, allocations, kernel choices; on cuda the graph capture), which no later step
+    does. The runs interleave per round, so a load burst on a shared machine hits them
+    alike and the estimated speedups compare like with like."""
     for run in runs.values():
         run()
-        cache.truncate(n)
-    samples: dict[int, list[float]] = {b: [] for b in runs}
-    # The AR forward and every budget interleaved per round, so a load burst on a shared
-    # machine hits them alike and the estimated speedups compare like with like.
+        reset()
+    samples: dict[int, list[float]] = {key: [] for key in runs}
     for _ in range(repeats):
-        for b, run in runs.items():
+        for key, run in runs.items():
             t0 = clock()
             run()
-            samples[b].append(clock() - t0)
-            cache.truncate(n)
-    ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
-    return {b: ms[b] for b in budgets}, ms[-1]
+            samples[key].append(clock() - t0)
+            reset()
+    return {key: 1e3 * statistics.median(s) for key, s in samples.items()}
 
 
 @torch.no_grad()
@@ -545,17 +551,8 @@ def _batch_costs(
         return lambda: verify_trees(target, cache, trees[b])
 
     runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    for run in runs.values():  # every shape once before any is timed, as _verify_costs
-        run()
-        cache.truncate(n)
-    samples: dict[int, list[float]] = {b: [] for b in runs}
-    for _ in range(repeats):
-        for b, run in runs.items():
-            t0 = clock()
-            run()
-            samples[b].append(clock() - t0)
-            cache.truncate(n)  # the rows' lengths never moved: only the frontier did
-    ms = {b: 1e3 * statistics.median(s) for b, s in samples.items()}
+    # The rows' lengths never move: only the frontier does, which truncate resets.
+    ms = _median_ms(runs, repeats, clock, lambda: cache.truncate(n))
     return {b: ms[b] for b in budgets}, ms[-1], ms[-2]
 
 

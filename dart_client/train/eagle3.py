@@ -19,13 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from dart_client.models.eagle3 import Eagle3Head
 from dart_client.models.head import HeadAttention, rotate_half
 from dart_client.models.linear import project
-from dart_client.train.forward import TargetIndex, target_outputs
+from dart_client.train.forward import TargetIndex
 from dart_client.train.loss import annealed_kl
 from dart_client.train.trainer import Trainer
 
@@ -154,16 +153,8 @@ class Eagle3Trainer(Trainer):
     def _micro_step(self, globals_: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         steps = cfg.draft_length
-        seqs = [self.data[self._window_index(g)] for g in globals_]
-        lengths = [len(ids) for ids, _ in seqs]
+        seqs, lengths, input_ids, tgt = self._target_batch(globals_)
         t_max = max(lengths)
-        input_ids = torch.zeros(len(seqs), t_max, dtype=torch.long)
-        attn = torch.zeros(len(seqs), t_max, dtype=torch.long)
-        for b, (ids, _) in enumerate(seqs):
-            input_ids[b, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
-            attn[b, : len(ids)] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        tgt = target_outputs(self.target, input_ids, attn, self.draft_to_target)
         n_real = t_max - 1
         head = self.head
         assert isinstance(head, Eagle3Head)

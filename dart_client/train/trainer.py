@@ -302,11 +302,9 @@ class Trainer:
 
     # -- one micro-batch --------------------------------------------------------------------
 
-    def _micro_step(self, globals_: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss of one micro-batch (already scaled for accumulation) and its row stats
-        ``(3, d)``: KL sums, correct, counts, plus the token count in a 4th row."""
-        cfg = self.config
-        m = cfg.draft_length
+    def _target_batch(self, globals_: list[int]) -> tuple[list[Any], list[int], torch.Tensor, Any]:
+        """The micro-batch's windows, their lengths, their right-padded ids (on the device)
+        and the frozen target's outputs over them."""
         seqs = [self.data[self._window_index(g)] for g in globals_]
         lengths = [len(ids) for ids, _ in seqs]
         t_max = max(lengths)
@@ -317,6 +315,15 @@ class Trainer:
             attn[b, : len(ids)] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         tgt = target_outputs(self.target, input_ids, attn, self.draft_to_target)
+        return seqs, lengths, input_ids, tgt
+
+    def _micro_step(self, globals_: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss of one micro-batch (already scaled for accumulation) and its row stats
+        ``(3, d)``: KL sums, correct, counts, plus the token count in a 4th row."""
+        cfg = self.config
+        m = cfg.draft_length
+        seqs, lengths, _, tgt = self._target_batch(globals_)
+        t_max = max(lengths)
         anchors = [
             sample_anchors(mask, m, cfg.anchors, np.random.default_rng([cfg.seed, 1, g]))
             for (_, mask), g in zip(seqs, globals_, strict=True)
