@@ -203,6 +203,43 @@ fn reference_trie_of_a_small_model_has_a_node_per_ngram() {
     assert_eq!(RefTrie::read(&trie).unwrap().count(&[1, 2]), Some(2));
 }
 
+/// Counts the reference format cannot hold (i32) are refused, naming the model, and leave
+/// no file behind.
+#[test]
+fn reference_trie_refuses_counts_past_i32() {
+    let dir = tempfile::tempdir().unwrap();
+    let built = dir.path().join("big-counts.ngram");
+    let meta = dart_ngram::writer::ModelMeta {
+        order: 2,
+        vocab_size: 3,
+        tokenizer_fingerprint: [0; 32],
+        eos_id: None,
+        min_count: 1,
+        total_tokens: 3_000_000_001,
+        documents: 1,
+        source: "test".into(),
+    };
+    let bigrams = vec![Ok((dart_ngram::key::pack(&[1, 1], 2), 2_999_999_999u64))];
+    dart_ngram::writer::write_model(
+        &built,
+        &meta,
+        &[0, 3_000_000_000, 1],
+        vec![Box::new(bigrams.into_iter())],
+        &Default::default(),
+    )
+    .unwrap();
+    let m = NGramModel::open(&built).unwrap();
+    let trie = dir.path().join("m.trie");
+    let e = write_reference_trie_from_model(&trie, &m)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("3000000001 tokens") && e.contains("i32") && e.contains("big-counts.ngram"),
+        "{e}"
+    );
+    assert!(!trie.exists());
+}
+
 /// Many spills and intermediate merges: a corpus whose model is several times larger than
 /// the budget.
 #[test]

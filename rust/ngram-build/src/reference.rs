@@ -167,8 +167,17 @@ pub fn write_reference_trie(
 /// Nodes go breadth first (the root, then the 1-grams, 2-grams, ... each order in key order),
 /// so a node's children are the next order's consecutive keys that extend it and their ids
 /// are consecutive. Returns the number of nodes written. Counts above `i32::MAX` and
-/// n-grams whose prefix the model lacks are refused: the reference format cannot hold them.
+/// n-grams whose prefix the model lacks are refused: the reference format cannot hold them
+/// (and the partial file is removed).
 pub fn write_reference_trie_from_model(path: &Path, model: &NGramModel) -> Result<u64> {
+    let written = stream_model_as_trie(path, model);
+    if written.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    written
+}
+
+fn stream_model_as_trie(path: &Path, model: &NGramModel) -> Result<u64> {
     let io = |e| NGramError::io(path, e);
     let order = model.order();
     let bits = key::token_bits(model.vocab_size());
@@ -183,6 +192,14 @@ pub fn write_reference_trie_from_model(path: &Path, model: &NGramModel) -> Resul
             ))
         })
     };
+    let root_freq = i32::try_from(model.total_tokens()).map_err(|_| {
+        NGramError::InvalidArgument(format!(
+            "{} counts {} tokens; the reference format stores counts as i32 (at most {})",
+            model.path().display(),
+            model.total_tokens(),
+            i32::MAX
+        ))
+    })?;
     // Nodes per order: order 1 lists only the tokens that were seen.
     let mut per_order = model.ngrams_per_order();
     per_order[0] = model.iter_order(1).count() as u64;
@@ -195,14 +212,6 @@ pub fn write_reference_trie_from_model(path: &Path, model: &NGramModel) -> Resul
     let mut put = |bytes: &[u8]| w.write_all(bytes).map_err(io);
     put(&(order as u64).to_le_bytes())?;
     put(&nodes.to_le_bytes())?;
-    let root_freq = i32::try_from(model.total_tokens()).map_err(|_| {
-        NGramError::InvalidArgument(format!(
-            "{} counts {} tokens; the reference format stores counts as i32 (at most {})",
-            model.path().display(),
-            model.total_tokens(),
-            i32::MAX
-        ))
-    })?;
     put(&ROOT_TOKEN.to_le_bytes())?;
     put(&0u64.to_le_bytes())?;
     put(&root_freq.to_le_bytes())?;
