@@ -281,6 +281,13 @@ def test_methods_validation(tiny_model: DartModel) -> None:
     notes: list[str] = []
     ms = harness.build_methods(tiny_model, ["ar", "dart-remote"], notes=notes)
     assert [m.name for m in ms] == ["ar"] and "pass --remote auto" in notes[0]
+    tuned: list[Any] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DartModel, "tune", lambda self, **kw: tuned.append(kw))
+        ms = harness.build_methods(tiny_model, ["ar", "hf"], tree_budget="auto")
+        assert [m.name for m in ms] == ["ar", "hf"] and tuned == []  # no DART: nothing to tune
+        harness.build_methods(tiny_model, ["ar", "dart"], tree_budget="auto")
+        assert len(tuned) == 1
     ar_only = DartModel(tiny_model.target, tokenizer=tiny_model.tokenizer)
     notes = []
     ms = harness.build_methods(ar_only, ["ar", "dart"], notes=notes)

@@ -447,7 +447,13 @@ def build_methods(
     base = DartModel(model.target, None)
     base.tokenizer = None
     config = getattr(model.pruner, "config", None) or PrunerConfig()
-    if tree_budget == "auto" and model.head is not None and model.tree_builder is not None:
+    tunes = any(n.startswith("dart") for n in names)  # dart@N (compare_budgets) are fixed
+    if (
+        tree_budget == "auto"
+        and tunes
+        and model.head is not None
+        and model.tree_builder is not None
+    ):
         # Once, with the in-process pruner; every DART method shares it.
         model.tune(
             prompts=[list(ids) for ids in calibration] if calibration else None,
