@@ -9,7 +9,10 @@ use dart_ngram::model::NGramModel;
 use proptest::prelude::*;
 
 use super::*;
-use crate::reference::{count_documents, prob_from_counts};
+use crate::import::{import_dart, ImportOptions};
+use crate::reference::{
+    count_documents, prob_from_counts, write_reference_trie_from_model, RefTrie,
+};
 use crate::tokenize::tests::write_word_tokenizer;
 
 /// Writes documents as `{"ids": [...]}` lines, split over `files` files.
@@ -134,6 +137,107 @@ proptest! {
         // Only the model and the corpus remain: spill runs are gone.
         prop_assert_eq!(dir_entries(dir.path()).iter().filter(|n| n.starts_with('.')).count(), 0);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A built model written as a reference `.trie` (streaming) and imported back answers
+    /// every count and probability as the model does.
+    #[test]
+    fn reference_trie_of_a_model_imports_to_the_same_answers(
+        (docs, vocab) in corpus_strategy(),
+        order in 1usize..=4,
+        min_count in 1u64..3,
+    ) {
+        prop_assume!(docs.iter().any(|d| !d.is_empty()));
+        let dir = tempfile::tempdir().unwrap();
+        let inputs = write_ids_corpus(dir.path(), &docs, 1);
+        let built = dir.path().join("m.ngram");
+        let mut o = ids_opts(inputs, built.clone(), vocab, Some(0));
+        o.order = order;
+        o.min_count = min_count;
+        build(&o).unwrap();
+        let m = NGramModel::open(&built).unwrap();
+        let trie = dir.path().join("m.trie");
+        let nodes = write_reference_trie_from_model(&trie, &m).unwrap();
+        let reference = RefTrie::read(&trie).unwrap();
+        prop_assert_eq!(reference.nodes.len() as u64, nodes);
+        let mut io = ImportOptions::new(trie, dir.path().join("back.ngram"));
+        io.vocab_size = Some(vocab);
+        io.memory = 1 << 20;
+        import_dart(&io).unwrap();
+        let back = NGramModel::open(&io.output).unwrap();
+        prop_assert_eq!(back.total_tokens(), m.total_tokens());
+        prop_assert_eq!(back.ngrams_per_order(), m.ngrams_per_order());
+        for n in 1..=order {
+            let a: Vec<_> = m.iter_order(n).map(|g| g.unwrap()).collect();
+            let b: Vec<_> = back.iter_order(n).map(|g| g.unwrap()).collect();
+            prop_assert_eq!(a, b, "order {}", n);
+        }
+        let candidates: Vec<u32> = (0..vocab).collect();
+        let mut want = (vec![0f32; candidates.len()], vec![0u8; candidates.len()]);
+        let mut got = want.clone();
+        let contexts = docs.iter().flat_map(|d| (0..d.len()).map(|i| &d[i.saturating_sub(3)..=i]));
+        for ctx in contexts.take(200).chain([&[][..], &[vocab - 1, vocab - 1][..]]) {
+            m.prob_many(ctx, &candidates, &mut want.0, &mut want.1).unwrap();
+            back.prob_many(ctx, &candidates, &mut got.0, &mut got.1).unwrap();
+            prop_assert_eq!(&want, &got, "after {:?}", ctx);
+        }
+    }
+}
+
+/// One node per n-gram plus the root, and the counts read back by the reference walk.
+#[test]
+fn reference_trie_of_a_small_model_has_a_node_per_ngram() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = write_ids_corpus(dir.path(), &[vec![1, 2, 1, 2]], 1);
+    let built = dir.path().join("m.ngram");
+    build(&ids_opts(inputs, built.clone(), 3, Some(0))).unwrap();
+    let m = NGramModel::open(&built).unwrap();
+    let trie = dir.path().join("m.trie");
+    assert_eq!(
+        write_reference_trie_from_model(&trie, &m).unwrap(),
+        1 + 3 + 3 + 3
+    );
+    assert_eq!(RefTrie::read(&trie).unwrap().count(&[1, 2]), Some(2));
+}
+
+/// Counts the reference format cannot hold (i32) are refused, naming the model, and leave
+/// no file behind.
+#[test]
+fn reference_trie_refuses_counts_past_i32() {
+    let dir = tempfile::tempdir().unwrap();
+    let built = dir.path().join("big-counts.ngram");
+    let meta = dart_ngram::writer::ModelMeta {
+        order: 2,
+        vocab_size: 3,
+        tokenizer_fingerprint: [0; 32],
+        eos_id: None,
+        min_count: 1,
+        total_tokens: 3_000_000_001,
+        documents: 1,
+        source: "test".into(),
+    };
+    let bigrams = vec![Ok((dart_ngram::key::pack(&[1, 1], 2), 2_999_999_999u64))];
+    dart_ngram::writer::write_model(
+        &built,
+        &meta,
+        &[0, 3_000_000_000, 1],
+        vec![Box::new(bigrams.into_iter())],
+        &Default::default(),
+    )
+    .unwrap();
+    let m = NGramModel::open(&built).unwrap();
+    let trie = dir.path().join("m.trie");
+    let e = write_reference_trie_from_model(&trie, &m)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("3000000001 tokens") && e.contains("i32") && e.contains("big-counts.ngram"),
+        "{e}"
+    );
+    assert!(!trie.exists());
 }
 
 /// Many spills and intermediate merges: a corpus whose model is several times larger than

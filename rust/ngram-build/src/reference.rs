@@ -14,6 +14,8 @@ use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
 use dart_ngram::error::{NGramError, Result};
+use dart_ngram::key;
+use dart_ngram::model::NGramModel;
 
 /// Bytes of a node without its children.
 pub const NODE_HEAD_BYTES: u64 = 4 + 8 + 4 + 8;
@@ -158,6 +160,147 @@ pub fn write_reference_trie(
 ) -> Result<()> {
     let nodes = nodes_from_counts(order, total_tokens, counts, shuffle_seed)?;
     write_nodes(path, order, &nodes)
+}
+
+/// Writes `model` as a reference `.trie`, streaming: it holds one node's child list at a
+/// time, never the trie, so it can write files far larger than memory (import benchmarks).
+/// Nodes go breadth first (the root, then the 1-grams, 2-grams, ... each order in key order),
+/// so a node's children are the next order's consecutive keys that extend it and their ids
+/// are consecutive. Returns the number of nodes written. Counts above `i32::MAX` and
+/// n-grams whose prefix the model lacks are refused: the reference format cannot hold them
+/// (and the partial file is removed).
+pub fn write_reference_trie_from_model(path: &Path, model: &NGramModel) -> Result<u64> {
+    let written = stream_model_as_trie(path, model);
+    if written.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    written
+}
+
+fn stream_model_as_trie(path: &Path, model: &NGramModel) -> Result<u64> {
+    let io = |e| NGramError::io(path, e);
+    let order = model.order();
+    let bits = key::token_bits(model.vocab_size());
+    let freq = |n: usize, k: u64, c: u64| -> Result<i32> {
+        i32::try_from(c).map_err(|_| {
+            NGramError::InvalidArgument(format!(
+                "n-gram {:?} of {} has count {c}; the reference format stores counts as i32 \
+                 (at most {})",
+                key::unpack(k, n, bits),
+                model.path().display(),
+                i32::MAX
+            ))
+        })
+    };
+    let root_freq = i32::try_from(model.total_tokens()).map_err(|_| {
+        NGramError::InvalidArgument(format!(
+            "{} counts {} tokens; the reference format stores counts as i32 (at most {})",
+            model.path().display(),
+            model.total_tokens(),
+            i32::MAX
+        ))
+    })?;
+    // Nodes per order: order 1 lists only the tokens that were seen.
+    let mut per_order = model.ngrams_per_order();
+    per_order[0] = model.iter_order(1).count() as u64;
+    let mut first_id = vec![1u64; order + 2];
+    for n in 1..=order {
+        first_id[n + 1] = first_id[n] + per_order[n - 1];
+    }
+    let nodes = first_id[order + 1];
+    let mut w = BufWriter::new(File::create(path).map_err(io)?);
+    let mut put = |bytes: &[u8]| w.write_all(bytes).map_err(io);
+    put(&(order as u64).to_le_bytes())?;
+    put(&nodes.to_le_bytes())?;
+    put(&ROOT_TOKEN.to_le_bytes())?;
+    put(&0u64.to_le_bytes())?;
+    put(&root_freq.to_le_bytes())?;
+    put(&per_order[0].to_le_bytes())?;
+    for (i, g) in model.iter_order(1).enumerate() {
+        put(&(g?.0 as i32).to_le_bytes())?;
+        put(&(first_id[1] + i as u64).to_le_bytes())?;
+    }
+    let orphan = |n: usize, k: u64| {
+        NGramError::InvalidArgument(format!(
+            "{} holds the n-gram {:?} but not its prefix; a reference trie cannot hold it",
+            model.path().display(),
+            key::unpack(k, n, bits)
+        ))
+    };
+    let mut children: Vec<(i32, u64)> = Vec::new();
+    for n in 1..=order {
+        // Cursors over the parents' order (with their ids) and the children's.
+        let mut parents = (n > 1).then(|| model.iter_order(n - 1).zip(first_id[n - 1]..));
+        let mut parent: Option<(u64, u64)> = None;
+        let mut kids = (n < order).then(|| model.iter_order(n + 1).zip(first_id[n + 1]..));
+        let mut next_kid: Option<(u64, u64)> = None;
+        let mut written = 0u64;
+        for g in model.iter_order(n) {
+            let (k, c) = g?;
+            written += 1;
+            let parent_id = match parents.as_mut() {
+                None => 0,
+                Some(ps) => loop {
+                    if let Some((pk, id)) = parent.filter(|&(pk, _)| pk >= key::prefix(k, bits)) {
+                        if pk != key::prefix(k, bits) {
+                            return Err(orphan(n, k));
+                        }
+                        break id;
+                    }
+                    match ps.next() {
+                        Some((p, id)) => parent = Some((p?.0, id)),
+                        None => return Err(orphan(n, k)),
+                    }
+                },
+            };
+            children.clear();
+            if let Some(ks) = kids.as_mut() {
+                loop {
+                    if next_kid.is_none() {
+                        next_kid = match ks.next() {
+                            Some((g, id)) => Some((g?.0, id)),
+                            None => None,
+                        };
+                    }
+                    let Some((ck, id)) = next_kid else { break };
+                    let p = key::prefix(ck, bits);
+                    if p < k {
+                        return Err(orphan(n + 1, ck));
+                    }
+                    if p > k {
+                        break;
+                    }
+                    children.push((key::token_at(ck, n + 1, n, bits) as i32, id));
+                    next_kid = None;
+                }
+            }
+            put(&(key::token_at(k, n, n - 1, bits) as i32).to_le_bytes())?;
+            put(&parent_id.to_le_bytes())?;
+            put(&freq(n, k, c)?.to_le_bytes())?;
+            put(&(children.len() as u64).to_le_bytes())?;
+            for &(t, id) in &children {
+                put(&t.to_le_bytes())?;
+                put(&id.to_le_bytes())?;
+            }
+        }
+        if let Some((ck, _)) = next_kid {
+            return Err(orphan(n + 1, ck));
+        }
+        if let Some(Some((g, _))) = kids.as_mut().map(|ks| ks.next()) {
+            return Err(orphan(n + 1, g?.0));
+        }
+        if written != per_order[n - 1] {
+            return Err(NGramError::Corrupt {
+                path: model.path().to_path_buf(),
+                detail: format!(
+                    "order {n} lists {written} n-grams but its header says {}",
+                    per_order[n - 1]
+                ),
+            });
+        }
+    }
+    w.flush().map_err(io)?;
+    Ok(nodes)
 }
 
 /// Counts every k-gram (k = 1..=order) inside each document, as the reference does; returns

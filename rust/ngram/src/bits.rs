@@ -156,6 +156,24 @@ impl<'a> Packed<'a> {
         Some(m & ((1u32 << len) - 1))
     }
 
+    /// Starts loading the cache line that holds value `i`, so that a [`Self::get`] issued a
+    /// little later finds it in cache. Any `i` is allowed: past the end it prefetches an
+    /// address outside the slice, which never faults and reads nothing.
+    #[inline(always)]
+    pub fn prefetch(&self, i: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let byte = (i.wrapping_mul(u64::from(self.width)) >> 3) as usize;
+            let p = self.bytes.as_ptr().wrapping_add(byte);
+            // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_T0)
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+
     /// Index of `target` in the sorted range `lo..hi`, if present.
     #[inline]
     pub fn find(&self, lo: u64, hi: u64, target: u64) -> Option<u64> {
@@ -321,7 +339,12 @@ mod tests {
             let values: Vec<u64> = raw.iter().map(|v| v & mask(width)).collect();
             let bytes = pack(&values, width);
             let p = Packed::new(&bytes, values.len() as u64, width).unwrap();
+            // Prefetches anywhere, inside or far past the slice, neither fault nor change a value.
+            for i in [0, values.len() as u64, (values.len() as u64 + 1) << 40, u64::MAX] {
+                p.prefetch(i);
+            }
             for (i, &v) in values.iter().enumerate() {
+                p.prefetch(i as u64);
                 prop_assert_eq!(p.get(i as u64), v);
             }
         }

@@ -169,6 +169,18 @@ struct Children<'a> {
 }
 
 impl Children<'_> {
+    /// Starts loading the two bucket entries [`Self::range`] reads for `key`: a batch of
+    /// lookups issues every candidate's prefetch before reading any bucket, so that their
+    /// cache misses (page faults, when cold) overlap instead of following one another.
+    #[inline(always)]
+    fn prefetch_range(&self, key: u32) {
+        if let Some(b) = self.buckets {
+            let at = (self.slice.first + self.slice.bucket(key)).saturating_sub(1);
+            b.prefetch(at);
+            b.prefetch(at + 1);
+        }
+    }
+
     /// The children range that holds the token whose key is `key`, if any child does.
     #[inline(always)]
     fn range(&self, key: u32) -> Result<(u64, u64)> {
@@ -908,10 +920,20 @@ impl NGramModel {
                 // entry changes nothing): they advance in lockstep, their memory loads
                 // overlap, and no step branches.
                 let tok16 = ch.toks.width() == 16;
+                for p in &pend[..np] {
+                    ch.prefetch_range(p.key);
+                }
+                // Every bucket is then read, and the children it points at prefetched, before
+                // any child is compared.
+                for p in pend[..np].iter_mut() {
+                    let (a, z) = ch.range(p.key)?;
+                    ch.toks.prefetch(a);
+                    (p.lo, p.len) = ((a - ch.lo) as u32, (z - a) as u32);
+                }
                 let mut width = 0u32;
                 let mut slow = 0;
                 for (i, p) in pend[..np].iter_mut().enumerate() {
-                    let (a, z) = ch.range(p.key)?;
+                    let (a, z) = (ch.lo + u64::from(p.lo), ch.lo + u64::from(p.lo + p.len));
                     let len = z - a;
                     if tok16 && len <= Packed::SCAN16 {
                         if let Some(m) = ch.toks.eq_mask16(a, len, p.token as u16) {
