@@ -3,23 +3,13 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use dart_ngram::model::NGramModel;
 use dart_ngram_build::reference::{count_documents, write_reference_trie};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dart-ngram"))
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = bin().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::{bin, run};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

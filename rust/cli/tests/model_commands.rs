@@ -1,7 +1,10 @@
 //! `dart-ngram info`, `query` and `merge` run as a user would, on models written here.
 
+mod common;
+
 use std::path::Path;
-use std::process::Command;
+
+use common::run;
 
 use dart_ngram::{key, write_model, CountStream, ModelMeta, NGramModel, WriteOptions};
 
@@ -36,18 +39,6 @@ fn model(path: &Path) {
         source: "cli test".into(),
     };
     write_model(path, &meta, &uni, streams, &WriteOptions::default()).unwrap();
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dart-ngram"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
 }
 
 #[test]

@@ -1,19 +1,9 @@
 //! `dart-ngram synth`, `info --sections` and `bench`: the commands of the at-scale pipeline
 //! (bench/ngram_scale.sh), run as a user would on a corpus small enough for CI.
 
-use std::process::Command;
+mod common;
 
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dart-ngram"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
-}
+use common::run;
 
 #[test]
 fn synth_build_info_sections_and_bench() {
