@@ -397,6 +397,9 @@ def test_greedy_equals_the_target_and_drafts_get_accepted(distilled: Any) -> Non
         assert max(got.tree_sizes) == 16 and got.timings["prune"] == 0.0
         taus.append(got.tau)
     assert np.mean(taus) > 1.5, f"drafts hardly accepted (tau {taus}): the test would be vacuous"
+    # The static path drafts with DART's head: asked for explicitly, EAGLE-3 is refused by name.
+    with pytest.raises(InvalidArgumentError, match="Eagle3Drafter drafts on the dynamic path"):
+        dm.generate(input_ids=prompts[0], max_new_tokens=4, static=True)
 
 
 def test_the_head_cache_after_generation_equals_a_fresh_prefill(distilled: Any) -> None:

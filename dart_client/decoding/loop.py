@@ -334,9 +334,15 @@ def new_run(
             f"new token (raise max_length above {len(ids)} or shorten the prompt)"
         )
     # The static path drafts with a DART head (its graphs hold the head's forward): another
-    # drafter runs on the dynamic path.
+    # drafter runs on the dynamic path ("auto"), or is refused when asked for explicitly.
     static = resolve_static(config.static, model.target.layer_devices())
-    static = static and (drafter is None or isinstance(drafter, DartDrafter))
+    if static and drafter is not None and not isinstance(drafter, DartDrafter):
+        if config.static is True:
+            raise InvalidArgumentError(
+                f"static=True: the static path drafts with DART's head in its graphs; "
+                f"{type(drafter).__name__} drafts on the dynamic path (static='auto' or False)"
+            )
+        static = False
     return _Run(
         model,
         drafter,
