@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, LikeliestSiblings, make_tiny_target
+from conftest import TINY_VOCAB, LikeliestSiblings, make_tiny_target, make_tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generate import (
@@ -185,6 +185,43 @@ def test_all_rows_ending_together_and_a_bad_prompt(target: Any, head: DartHead) 
     assert [r.tokens for r in two] == [r.tokens for r in got]
     with pytest.raises(ContextTooLongError, match="prompt 1"):
         dm.generate_batch([[5, 6], list(range(3, 300))], max_new_tokens=4, max_length=100)
+
+
+def test_stop_strings_inside_a_batch_end_their_row_as_alone(target: Any, head: DartHead) -> None:
+    """A stop string met inside an accepted run ends its row where a lone generation ends
+    (tokens, text, reason); the other rows (another stop, none) go on to their own ends."""
+    tok = make_tiny_tokenizer()
+    plain = DartModel(target, head, tokenizer=tok, tree_builder=None)
+    plain.target.eos_token_ids = frozenset()  # this wrapper's: runs to the stop or length
+    prompts = random_prompts(3, seed=41)
+    free = [alone(plain, p, "ar", max_new_tokens=24) for p in prompts]
+    # Row 0 stops inside a word spanning tokens 6 and 7, row 1 at token 12's text, row 2
+    # never (a string no output holds).
+    stops = [tok.decode(free[0][6:8])[1:], tok.decode(free[1][12:13]), "no such text"]
+    plain.tree_builder = Truths([p + f for p, f in zip(prompts, free, strict=True)], depth=6)
+    batch = plain.batch_generator(max_batch=3, max_length=64)
+    ids = [
+        batch.add(GenerationConfig(max_new_tokens=24, tree_budget=8, stop=[s]), input_ids=p)
+        for p, s in zip(prompts, stops, strict=True)
+    ]
+    results: dict[int, Any] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    got = [results[i] for i in ids]
+    for prompt, stop, result in zip(prompts, stops, got, strict=True):
+        lone = plain.generate(input_ids=prompt, max_new_tokens=24, tree_budget=8, stop=[stop])
+        assert (result.tokens, result.text, result.finish_reason) == (
+            lone.tokens,
+            lone.text,
+            lone.finish_reason,
+        )
+        assert stop not in result.text
+    assert [r.finish_reason for r in got] == ["stop", "stop", "length"]
+    assert len(got[0].tokens) < 24 and len(got[1].tokens) < 24 == len(got[2].tokens)
+    # What makes the test able to fail: a step whose accepted run goes past the stop (the
+    # row keeps only its tokens up to the stop).
+    assert any(sum(r.accept_lengths) > len(r.tokens) for r in got[:2])
 
 
 @pytest.fixture(scope="module")

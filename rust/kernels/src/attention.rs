@@ -9,6 +9,11 @@
 //! its path one token at a time would give (with [`crate::PackedMatrix`] for the linear
 //! layers, a tree's logits equal one-token decoding's).
 //!
+//! Only the keys some query of a (batch, kv head) sees are read: a batched verification's
+//! row sees its own cache and tree, not the other rows' longer stretches (stale positions
+//! up to the longest row), so those are neither converted nor scored. A key's score is the
+//! same bits wherever it sits, so this changes no output.
+//!
 //! Tensors are bf16 bits with arbitrary (non-negative) strides and a contiguous last
 //! dimension ([`View4`]); scores and sums are f32; the output is rounded to bf16 once.
 
@@ -174,27 +179,38 @@ pub(crate) fn attention_into<O: Output>(
         })
         .collect();
     let threads = threads.clamp(1, units.len());
-    // Keys of one kv head transposed to (dim, length rounded up to 16) in f32: a query's
+    // Keys of one kv head transposed to (dim, seen keys rounded up to 16) in f32: a query's
     // scores are then 16 keys per FMA, each key's dot product one lane summed in dim order,
     // the same wherever the key sits (no horizontal sums, whose order would depend on it).
-    let padded = length.next_multiple_of(16);
-    let mut keys_t = vec![0f32; dim * padded];
-    // Values of one kv head in f32, (length, dim): converted once, read by every query row.
-    let mut values_f32 = vec![0f32; length * dim];
+    let mut keys_t = Vec::new();
+    // Values of the seen keys in f32, (seen, dim): converted once, read by every query row.
+    let mut values_f32 = Vec::new();
+    let mut seen = Vec::new();
     let mut scratch = Scratch::default();
     for b in 0..batch {
         for g in 0..kv_heads {
-            transpose_keys(key, b, g, padded, &mut keys_t, simd);
-            for (j, dst) in values_f32.chunks_mut(dim).enumerate() {
-                for (d, &bits) in dst.iter_mut().zip(value.row(b, g, j)) {
-                    *d = bf16_to_f32(bits);
-                }
+            seen_keys(
+                mask,
+                b,
+                g * group..(g + 1) * group,
+                queries,
+                length,
+                &mut seen,
+            );
+            let padded = seen.len().next_multiple_of(16);
+            keys_t.clear();
+            keys_t.resize(dim * padded, 0.0);
+            transpose_keys(key, b, g, &seen, padded, &mut keys_t, simd);
+            values_f32.clear();
+            for &j in &seen {
+                values_f32.extend(value.row(b, g, j as usize).iter().map(|&x| bf16_to_f32(x)));
             }
             let head = Head {
                 query,
                 mask,
                 keys_t: &keys_t,
                 values: &values_f32,
+                seen: &seen,
                 padded,
                 length,
                 scale,
@@ -244,27 +260,56 @@ fn max_rows(dim: usize) -> usize {
 /// Query rows computed together at most.
 const MAX_ROWS: usize = 4;
 
-/// `keys_t[c * padded + j] = key[b, g, j, c]` in f32, zero past the keys.
+/// The keys (ascending) that some query of batch `b` sees through some head of `heads` (one
+/// kv group), into `seen`: every key without a mask, else those the mask leaves open.
+fn seen_keys(
+    mask: Option<&View4<'_>>,
+    b: usize,
+    heads: std::ops::Range<usize>,
+    queries: usize,
+    length: usize,
+    seen: &mut Vec<u32>,
+) {
+    seen.clear();
+    let Some(m) = mask else {
+        seen.extend(0..length as u32);
+        return;
+    };
+    let mb = if m.shape[0] == 1 { 0 } else { b };
+    let heads = if m.shape[1] == 1 { 0..1 } else { heads };
+    let mut open = vec![false; length];
+    for h in heads {
+        for i in 0..queries {
+            for (o, &bits) in open.iter_mut().zip(&m.row(mb, h, i)[..length]) {
+                // `!(x <= t)` also blocks NaN, as [`Head::unit`] does.
+                *o |= bf16_to_f32(bits) > BLOCKED_AT_OR_BELOW;
+            }
+        }
+    }
+    seen.extend((0..length as u32).filter(|&j| open[j as usize]));
+}
+
+/// `keys_t[c * padded + t] = key[b, g, seen[t], c]` in f32 (`keys_t` zeroed by the caller).
 fn transpose_keys(
     key: &View4<'_>,
     b: usize,
     g: usize,
+    seen: &[u32],
     padded: usize,
     keys_t: &mut [f32],
     simd: bool,
 ) {
-    let [_, _, length, dim] = key.shape;
+    let dim = key.shape[3];
     #[cfg(target_arch = "x86_64")]
-    if simd && dim % 2 == 0 {
+    if simd && dim.is_multiple_of(2) {
         // SAFETY: simd is only true where AVX-512F/BW/VL run; rows are in bounds (View4::new).
-        unsafe { avx512::transpose_keys(key, b, g, padded, keys_t) };
+        unsafe { avx512::transpose_keys(key, b, g, seen, padded, keys_t) };
         return;
     }
-    let _ = simd;
-    keys_t.fill(0.0);
-    for j in 0..length {
-        for (c, &bits) in key.row(b, g, j).iter().enumerate() {
-            keys_t[c * padded + j] = bf16_to_f32(bits);
+    let _ = (simd, dim);
+    for (t, &j) in seen.iter().enumerate() {
+        for (c, &bits) in key.row(b, g, j as usize).iter().enumerate() {
+            keys_t[c * padded + t] = bf16_to_f32(bits);
         }
     }
 }
@@ -275,6 +320,8 @@ struct Head<'a, 'v> {
     mask: Option<&'a View4<'v>>,
     keys_t: &'a [f32],
     values: &'a [f32],
+    /// The keys in `keys_t` and `values`, in order (their cache positions).
+    seen: &'a [u32],
     padded: usize,
     length: usize,
     scale: f32,
@@ -300,16 +347,18 @@ impl Head<'_, '_> {
                     if m.shape[1] == 1 { 0 } else { h },
                     i,
                 );
-                for (j, &bits) in row[..length].iter().enumerate() {
-                    let add = bf16_to_f32(bits);
+                // Visible keys by their place among the seen ones (where keys_t holds them).
+                for (t, &j) in self.seen.iter().enumerate() {
+                    let add = bf16_to_f32(row[j as usize]);
                     // `!(x <= t)` also blocks NaN.
                     if add > BLOCKED_AT_OR_BELOW {
-                        s.visible.push(j as u32);
+                        s.visible.push(t as u32);
                         s.adds.push(add);
                     }
                 }
             }
             None => {
+                // Every key is seen (seen_keys): places are positions.
                 let last = (length + i + 1).saturating_sub(self.queries).min(length);
                 s.visible.extend(0..last as u32);
                 s.adds.resize(last, 0.0);
@@ -594,20 +643,18 @@ mod avx512 {
         key: &View4<'_>,
         b: usize,
         g: usize,
+        seen: &[u32],
         padded: usize,
         keys_t: &mut [f32],
     ) {
-        let [_, _, length, dim] = key.shape;
+        let dim = key.shape[3];
         let base = key.row(b, g, 0).as_ptr();
-        let stride = key.strides[2] as i32;
+        let stride = _mm512_set1_epi32(key.strides[2] as i32);
         let high_half = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-        let steps = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(stride),
-        );
         for block in (0..padded).step_by(16) {
-            let m = lanes(length.saturating_sub(block));
-            let rows = _mm512_add_epi32(steps, _mm512_set1_epi32(block as i32 * stride));
+            let m = lanes(seen.len().saturating_sub(block));
+            let positions = _mm512_maskz_loadu_epi32(m, seen.as_ptr().add(block).cast());
+            let rows = _mm512_mullo_epi32(positions, stride);
             for c in (0..dim).step_by(2) {
                 let idx = _mm512_add_epi32(rows, _mm512_set1_epi32(c as i32));
                 // Element offsets (u16) scaled by 2 bytes; masked-off lanes read nothing.
@@ -844,6 +891,56 @@ mod tests {
                 let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
                 let at = (i * heads + h) * dim;
                 prop_assert!(tree[at..at + dim].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// A batched verification: row b holds `lengths[b]` cached keys, stale keys up to the
+        /// longest row (masked), then its tree. Each query gets the bits it gets alone over its
+        /// own visible keys, although the call reads only the keys some query of the row sees.
+        #[test]
+        fn a_batched_row_query_equals_the_query_alone(
+            lengths in proptest::collection::vec(0usize..40, 1..4),
+            nodes in 1usize..8,
+            seed in any::<u32>(),
+            edges in proptest::collection::vec(any::<bool>(), 64),
+        ) {
+            let (heads, kv_heads, dim) = (4, 2, 32);
+            let batch = lengths.len();
+            let frontier = *lengths.iter().max().unwrap();
+            let length = frontier + nodes;
+            let q = Tensor::new([batch, heads, nodes, dim], noise(seed));
+            let k = Tensor::new([batch, kv_heads, length, dim], noise(seed ^ 1));
+            let v = Tensor::new([batch, kv_heads, length, dim], noise(seed ^ 2));
+            let sees = |b: usize, i: usize, j: usize| {
+                j < lengths[b]
+                    || j == frontier + i
+                    || (j >= frontier && j < frontier + i && edges[(i * 8 + j - frontier) % 64])
+            };
+            let mask = Tensor::new(
+                [batch, 1, nodes, length],
+                (0..batch)
+                    .flat_map(|b| (0..nodes).flat_map(move |i| (0..length).map(move |j| (b, i, j))))
+                    .map(|(b, i, j)| if sees(b, i, j) { 0.0 } else { f32::MIN }),
+            );
+            let got: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1);
+            for (b, i) in (0..batch).flat_map(|b| (0..nodes).map(move |i| (b, i))) {
+                let visible: Vec<usize> = (0..length).filter(|&j| sees(b, i, j)).collect();
+                let pick = |t: &Tensor| Tensor::new(
+                    [1, kv_heads, visible.len(), dim],
+                    (0..kv_heads).flat_map(|g| visible.iter().flat_map(move |&j| (0..dim).map(move |c| (g, j, c))))
+                        .map(|(g, j, c)| t.at([b, g, j, c]) as f32),
+                );
+                let one_q = Tensor::new(
+                    [1, heads, 1, dim],
+                    (0..heads).flat_map(|h| (0..dim).map(move |c| (h, c))).map(|(h, c)| q.at([b, h, i, c]) as f32),
+                );
+                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
+                let at = (b * nodes + i) * heads * dim;
+                prop_assert!(got[at..at + heads * dim].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()));
             }
         }
     }
