@@ -30,7 +30,7 @@ from dart_client.decoding.draft import DraftRows
 from dart_client.decoding.verify import Tree
 from dart_client.errors import ContextTooLongError
 from dart_client.models.head import DartHead
-from dart_client.models.target import TargetCache
+from dart_client.models.target import TargetCache, _at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -309,6 +309,13 @@ def test_batched_cache_rows_hold_what_lone_caches_would(data: st.DataObject, sta
             layer.update(k, v)
         batch.put_row(row, lone)
         want.append(kv)
+        if row == 0:
+            # The buffers are not initialised: make what no row holds NaN, as such memory may be.
+            for buffer, axis in batch.buffers():
+                held = buffer[_at(axis, 0, slice(None), slice(0, n))].clone()
+                buffer.fill_(float("nan"))
+                buffer[_at(axis, 0, slice(None), slice(0, n))] = held
+        assert_readable_is_finite(batch)
     for _ in range(data.draw(st.integers(1, 3))):
         n = data.draw(st.integers(1, 5))
         start = batch.length
@@ -333,12 +340,20 @@ def test_batched_cache_rows_hold_what_lone_caches_would(data: st.DataObject, sta
             batch.drop_row(drop)
             want[drop] = want[-1]
             want.pop()
+        assert_readable_is_finite(batch)
     assert batch.length == max(batch.rows.lengths)
     for row, kv in enumerate(want):
         n = batch.rows.lengths[row]
         for layer, (k, v) in zip(batch.layers, kv, strict=True):
             assert torch.equal(layer.keys[row, :, :n], k[0])
             assert torch.equal(layer.values[row, :, :n], v[0])
+
+
+def assert_readable_is_finite(cache: TargetCache) -> None:
+    """What attention reads of a batched cache (every live row up to the frontier, its own
+    stale positions masked) is finite: a masked NaN would still poison the weighted sum."""
+    for layer in cache.layers:
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
 
 
 def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(target: Any) -> None:

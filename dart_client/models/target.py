@@ -138,16 +138,13 @@ class PreallocatedLayer(DynamicLayer):
         self.set_length(0)
 
     def allocate_rows(self, batch: int, like: PreallocatedLayer) -> None:
-        """Buffers for ``batch`` rows shaped like ``like``'s (a one-sequence layer), zeroed:
-        a row's unused tail is masked, and a masked zero (unlike uninitialised memory, which
-        may hold NaN) adds nothing to an attention's weighted sum."""
+        """Buffers for ``batch`` rows shaped like ``like``'s (a one-sequence layer), not
+        initialised: :meth:`TargetCache.put_row` zeroes what a row may read before anything
+        is written there."""
         assert like._k is not None and like._v is not None
         shape = (batch, *like._k.shape[1:2], 0, like._k.shape[3])
         vshape = (batch, *like._v.shape[1:2], 0, like._v.shape[3])
         self.lazy_initialization(like._k.new_empty(shape), like._v.new_empty(vshape))
-        assert self._k is not None and self._v is not None
-        self._k.zero_()
-        self._v.zero_()
 
 
 def _views_only(value: torch.Tensor | None) -> None:
@@ -284,20 +281,34 @@ class TargetCache(Cache):
 
     def put_row(self, row: int, source: TargetCache) -> None:
         """Copy ``source`` (one sequence, e.g. a prompt prefilled alone) into ``row``: a live
-        row (replaced) or the next free one."""
+        row (replaced) or the next free one.
+
+        Every live row's positions below the frontier hold finite values (a copy, a
+        forward's write, or zeros put here): attention masks a row's stale ones, and a
+        masked zero adds nothing to its weighted sum where uninitialised memory (NaN) would.
+        Only the positions that keeps true are zeroed, not the whole buffer."""
         if not 0 <= row <= len(self.rows) or row >= self.batch:
             raise ValueError(f"row {row} of a cache of {len(self.rows)} live rows")
         n = source.length
         if n > self.capacity:
             raise RuntimeError(f"a {n}-position sequence in a cache of capacity {self.capacity}")
-        for mine, theirs in zip(self._layers(), source._layers(), strict=True):
+        pairs = list(zip(self._layers(), source._layers(), strict=True))
+        for mine, theirs in pairs:
             if not mine.is_initialized:
                 mine.allocate_rows(self.batch, theirs)
+        before = self.rows.frontier
+        self.rows.put(row, n)
+        after = self.rows.frontier
+        for buffer, axis in self.buffers():
+            # Where the frontier grew, every live row; then this row up to the frontier
+            # (its first n positions are copied next).
+            buffer[_at(axis, slice(0, len(self.rows)), slice(None), slice(before, after))] = 0
+            buffer[_at(axis, row, slice(None), slice(n, after))] = 0
+        for mine, theirs in pairs:
             assert mine._k is not None and mine._v is not None
             assert theirs._k is not None and theirs._v is not None
             mine._k[row, :, :n] = theirs._k[0, :, :n]
             mine._v[row, :, :n] = theirs._v[0, :, :n]
-        self.rows.put(row, n)
         self._set_rows()
 
     def drop_row(self, row: int) -> None:
