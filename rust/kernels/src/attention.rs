@@ -187,16 +187,17 @@ pub(crate) fn attention_into<O: Output>(
     let mut values_f32 = Vec::new();
     let mut seen = Vec::new();
     let mut scratch = Scratch::default();
+    // One mask for every head (or none): the kv heads of a batch row see the same keys.
+    let per_head = mask.is_some_and(|m| m.shape[1] != 1);
     for b in 0..batch {
+        if !per_head {
+            seen_keys(mask, b, 0..1, queries, length, &mut seen);
+        }
         for g in 0..kv_heads {
-            seen_keys(
-                mask,
-                b,
-                g * group..(g + 1) * group,
-                queries,
-                length,
-                &mut seen,
-            );
+            if per_head {
+                let heads = g * group..(g + 1) * group;
+                seen_keys(mask, b, heads, queries, length, &mut seen);
+            }
             let padded = seen.len().next_multiple_of(16);
             keys_t.clear();
             keys_t.resize(dim * padded, 0.0);
