@@ -23,6 +23,7 @@ from typing import Any
 from dart_client.apps.bench import METHODS
 from dart_client.apps.options import (
     add_cpu_kernels_argument,
+    add_device_argument,
     add_prompt_lookup_argument,
     add_static_argument,
 )
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    g.add_argument("--device", default="cpu")
+    add_device_argument(g)
     add_static_argument(g)
     add_cpu_kernels_argument(g)
     add_prompt_lookup_argument(g)
