@@ -696,7 +696,7 @@ def eagle3_tuning_table(t: dict[str, Any], rows: int | None = None) -> str:
     """An :class:`Eagle3TreeTuning` (as its dict, e.g. from a benchmark's JSON) as a Markdown
     table: the ``rows`` fastest trees (all by default), the chosen one marked."""
     lines = [
-        "| top-k | depth | nodes | verify ms | draft ms | est. tau | est. tok/s | speedup |",
+        "| top-k | depth | tokens | verify ms | draft ms | est. tau | est. tok/s | speedup |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     best = tuple(t["best"])
@@ -708,7 +708,8 @@ def eagle3_tuning_table(t: dict[str, Any], rows: int | None = None) -> str:
             f"{p['speedup']:.2f}x |"
         )
     lines.append(
-        f"\nOne autoregressive forward: {t['ar_forward_ms']:.2f} ms at {t['context_tokens']} "
+        "\ntokens: the tree's, the root included (draft nodes + 1). "
+        f"One autoregressive forward: {t['ar_forward_ms']:.2f} ms at {t['context_tokens']} "
         f"cached tokens ({t['device']}, {t['dtype']}, {t['threads']} threads); "
         f"{t['calibration_tokens']} calibration tokens over {t['calibration_prompts']} "
         f"prompts; {len(t['curve'])} trees tuned in {t['seconds']:.1f} s."
