@@ -18,7 +18,7 @@ use memmap2::{Advice, Mmap, MmapOptions};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::bits::{width_for, Packed};
+use crate::bits::{codes_per_block, escape_width, width_for, Coded, Packed};
 use crate::error::{NGramError, Result};
 use crate::format::{BucketSlice, Header, Section, SectionKind, FIXED_HEADER, NO_EOS};
 use crate::writer::ModelMeta;
@@ -104,8 +104,10 @@ struct Col {
 struct Level {
     /// Entries of this order (order 1: `vocab_size`, dense by token id).
     entries: u64,
-    /// Order 1: the counts; order >= 2: ranks into `values`.
+    /// Order 1: the counts; order >= 2 (versions 1 and 2): ranks into `values`.
     counts: Col,
+    /// Order >= 2 (version 3): the ranks into `values` as count codes, and their escapes.
+    codes: Option<(Col, Col)>,
     /// Order >= 2: the distinct counts (u64 LE), `(offset, len)`.
     values: (usize, u64),
     /// Order >= 2: last token of each n-gram.
@@ -117,6 +119,32 @@ struct Level {
     top_lists: Option<Col>,
     /// Order < N, version 2: the child-bucket table.
     buckets: Option<Col>,
+}
+
+/// The count ranks of one order >= 2: packed at a fixed width (versions 1 and 2) or coded.
+#[derive(Clone, Copy)]
+enum Ranks<'a> {
+    Plain(Packed<'a>),
+    Coded(Coded<'a>),
+}
+
+impl Ranks<'_> {
+    /// Rank of entry `i`; `Err` with the escape index a corrupt code block points to.
+    #[inline(always)]
+    fn get(&self, i: u64) -> std::result::Result<u64, u64> {
+        match self {
+            Ranks::Plain(p) => Ok(p.get(i)),
+            Ranks::Coded(c) => c.get(i),
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, i: u64) {
+        match self {
+            Ranks::Plain(p) => p.prefetch(i),
+            Ranks::Coded(c) => c.prefetch(i),
+        }
+    }
 }
 
 /// One candidate of `prob_many` being searched among a context's children.
@@ -472,7 +500,29 @@ impl NGramModel {
                 lv.counts = col(SectionKind::UnigramCounts, 1, entries, rec.count_width)?;
             } else {
                 lv.tokens = col(SectionKind::Tokens, n, entries, h.token_bits)?;
-                lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
+                if h.coded_counts() {
+                    let s = h.section(SectionKind::CountCodes, n).ok_or_else(|| {
+                        self.corrupt(format!("missing section count-codes of order {n}"))
+                    })?;
+                    let blocks = Col {
+                        off: s.offset as usize,
+                        bytes: s.length as usize,
+                        len: entries,
+                        width: rec.count_width,
+                    };
+                    let escapes = col(
+                        SectionKind::CountEscapes,
+                        n,
+                        rec.count_escapes,
+                        escape_width(rec.count_values, rec.count_width),
+                    )?;
+                    lv.codes = Some((blocks, escapes));
+                    self.coded(blocks, escapes).ok_or_else(|| {
+                        self.corrupt(format!("section count-codes of order {n} is too short"))
+                    })?;
+                } else {
+                    lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
+                }
                 let s = h
                     .section(SectionKind::CountValues, n)
                     .ok_or_else(|| self.corrupt(format!("missing count table of order {n}")))?;
@@ -530,6 +580,26 @@ impl NGramModel {
     #[inline]
     fn view(&self, c: Col) -> Packed<'_> {
         Packed::trusted(&self.map[c.off..c.off + c.bytes], c.len, c.width)
+    }
+
+    fn coded(&self, blocks: Col, escapes: Col) -> Option<Coded<'_>> {
+        Coded::new(
+            &self.map[blocks.off..blocks.off + blocks.bytes],
+            blocks.len,
+            blocks.width,
+            self.view(escapes),
+        )
+    }
+
+    /// The count ranks of order `n >= 2`.
+    #[inline]
+    fn ranks(&self, n: usize) -> Ranks<'_> {
+        let lv = &self.levels[n - 1];
+        match lv.codes {
+            // Open checked the size (`coded` returned `Some`).
+            Some((blocks, escapes)) => Ranks::Coded(self.coded(blocks, escapes).expect("checked")),
+            None => Ranks::Plain(self.view(lv.counts)),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -685,14 +755,28 @@ impl NGramModel {
         ))
     }
 
+    #[cold]
+    fn bad_escape(&self, n: usize, i: u64, escape: u64) -> NGramError {
+        self.corrupt(format!(
+            "order {n} entry {i}: escaped count {escape} outside the {} escapes",
+            self.header.orders[n - 1].count_escapes
+        ))
+    }
+
+    /// Rank of entry `i` of order `n >= 2` in `ranks` (that order's).
+    #[inline(always)]
+    fn rank_in(&self, ranks: &Ranks<'_>, n: usize, i: u64) -> Result<u64> {
+        ranks.get(i).map_err(|e| self.bad_escape(n, i, e))
+    }
+
     /// Count of entry `i` of order `n` (`i < entries(n)`).
     #[inline]
     fn count_at(&self, n: usize, i: u64) -> Result<u64> {
         let lv = &self.levels[n - 1];
-        let c = self.view(lv.counts).get(i);
         if n == 1 {
-            return Ok(c);
+            return Ok(self.view(lv.counts).get(i));
         }
+        let c = self.rank_in(&self.ranks(n), n, i)?;
         let (off, len) = lv.values;
         if c >= len {
             return Err(self.bad_rank(n, i, c, len));
@@ -966,9 +1050,13 @@ impl NGramModel {
                         p.len -= half;
                     }
                 }
-                // The children's count ranks and count table, looked up once.
+                // The children's count ranks and count table, looked up once; the rank of
+                // every child found starts loading before any is read.
                 let lv = &self.levels[c.order];
-                let ranks = self.view(lv.counts);
+                let ranks = self.ranks(c.order + 1);
+                for p in &pend[..np] {
+                    ranks.prefetch(ch.lo + u64::from(p.lo));
+                }
                 let (off, n_values) = lv.values;
                 let table = &self.map[off..off + 8 * n_values as usize];
                 let mut keep = 0;
@@ -976,7 +1064,7 @@ impl NGramModel {
                     let p = pend[i];
                     let j = ch.lo + u64::from(p.lo);
                     if p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token) {
-                        let r = ranks.get(j);
+                        let r = self.rank_in(&ranks, c.order + 1, j)?;
                         let at = (r as usize).wrapping_mul(8);
                         let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values)
                         else {
@@ -1234,6 +1322,26 @@ impl NGramModel {
             }
         }
         for n in 2..=n_max {
+            if let Some((blocks, escapes)) = self.levels[n - 1].codes {
+                let codes = self.coded(blocks, escapes).expect("checked at open");
+                let mut before = 0u64;
+                for b in 0..blocks.len.div_ceil(codes_per_block(blocks.width)) {
+                    if codes.block_base(b) != before {
+                        return Err(self.corrupt(format!(
+                            "order {n} count-code block {b} counts {} escapes before it, there \
+                             are {before}",
+                            codes.block_base(b)
+                        )));
+                    }
+                    before += codes.block_escapes(b);
+                }
+                if before != escapes.len {
+                    return Err(self.corrupt(format!(
+                        "order {n}: {before} escape codes for {} escaped counts",
+                        escapes.len
+                    )));
+                }
+            }
             let (off, len) = self.levels[n - 1].values;
             let mut prev = 0u64;
             for i in 0..len {
@@ -1473,7 +1581,9 @@ impl Iterator for OrderIter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{VERSION, VERSION_PLAIN_COUNTS};
     use crate::testutil::{count_corpus, Counts};
+    use crate::writer::Layout;
     use proptest::prelude::*;
 
     fn corpus() -> impl Strategy<Value = (Vec<Vec<u32>>, u32)> {
@@ -1566,16 +1676,26 @@ mod tests {
             eos in any::<bool>(),
             stride in prop::sample::select(vec![0u32, 1, 2, 3, 8]),
             small_context in prop::sample::select(vec![0u64, 2, SMALL_CONTEXT]),
+            plain_counts in any::<bool>(),
+            code_width in prop::option::of(1u32..=3),
         ) {
             let eos = eos.then_some(vocab - 1);
             let c = count_corpus(&docs, order, vocab, eos, min_count);
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
-            let report = c.write_with_stride(&path, top, stride).unwrap();
+            // Every version: 1 (no buckets), 2 (plain count ranks), 3 (count codes, at the
+            // smallest width or a forced one, so that small models reach the escapes too).
+            let version = match (stride, plain_counts) {
+                (0, _) => 1,
+                (_, true) => VERSION_PLAIN_COUNTS,
+                _ => VERSION,
+            };
+            let layout = Layout { version, bucket_stride: stride, code_width };
+            let report = c.write_as(&path, top, &layout).unwrap();
             let mut m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
             m.small_context = small_context;
             prop_assert_eq!(report.bytes, m.bytes());
-            prop_assert_eq!(m.info().format_version, if stride == 0 { 1 } else { 2 });
+            prop_assert_eq!(m.info().format_version, version);
             prop_assert_eq!(m.order(), order);
             prop_assert_eq!(m.eos_id(), eos);
             prop_assert_eq!(m.meta(), c.meta());
@@ -1800,6 +1920,9 @@ mod tests {
         let mut bytes = std::fs::read(path).unwrap();
         let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
         f(&mut h);
+        // A version patched across 2 -> 3 changes the order records' length.
+        h.header_len =
+            Header::byte_len(h.version, h.orders.len(), h.sections.len(), h.source.len()) as u32;
         let hb = h.to_bytes();
         bytes[..hb.len()].copy_from_slice(&hb);
         std::fs::write(path, bytes).unwrap();
@@ -1836,6 +1959,11 @@ mod tests {
                 Box::new(|h| h.orders[1].bucket_width = h.orders[1].child_width + 1),
             ),
             ("imply", Box::new(|h| h.bucket_stride = 1000)),
+            ("count code width", Box::new(|h| h.orders[1].count_width = 0)),
+            ("count code width", Box::new(|h| h.orders[2].count_width = 17)),
+            ("escaped counts", Box::new(|h| h.orders[2].count_escapes = 1000)),
+            // A version-2 reading of a version-3 file expects count ranks.
+            ("count rank width", Box::new(|h| h.version = 2)),
         ];
         for (want, f) in cases {
             let p = dir.path().join("x.ngram");
@@ -2079,20 +2207,100 @@ mod tests {
         assert_eq!(m.info().format_version, 1);
         assert!(m.info().sections.iter().all(|s| s.kind != "child-buckets"));
         check_against(&m, &c, &contexts_of(&c));
-        // A version this build does not know is refused by name.
-        patch_header(&path, |h| h.version = 3);
+        // A version this build does not know is refused by name, with what to do.
+        patch_header(&path, |h| h.version = VERSION + 1);
         let err = NGramModel::open(&path).unwrap_err();
         assert!(
             matches!(
                 err,
                 NGramError::UnsupportedVersion {
-                    found: 3,
-                    supported: 2,
+                    found: 4,
+                    min: 1,
+                    max: 3,
                     ..
                 }
             ),
             "{err}"
         );
+        assert!(err.to_string().contains("newer dart-ngram"), "{err}");
+    }
+
+    /// Version 2 files (count ranks at a fixed width) are read and answer as version 3 does;
+    /// a merge rewrites one as version 3, smaller.
+    #[test]
+    fn version_2_files_are_read_and_merged_into_version_3() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs: Vec<Vec<u32>> = (0..40u32)
+            .map(|d| (0..200u32).map(|i| (i * i + d) % 97 % (1 + i % 29)).collect())
+            .collect();
+        let c = count_corpus(&docs, 3, 100, Some(99), 1);
+        let v2 = dir.path().join("v2.ngram");
+        let layout = Layout {
+            version: VERSION_PLAIN_COUNTS,
+            bucket_stride: 8,
+            code_width: None,
+        };
+        c.write_as(&v2, 4, &layout).unwrap();
+        let m = NGramModel::open_with(&v2, &OpenOptions { verify: true, ..Default::default() })
+            .unwrap();
+        assert_eq!(m.info().format_version, 2);
+        assert!(m.info().sections.iter().any(|s| s.kind == "count-ranks"));
+        check_against(&m, &c, &contexts_of(&c));
+        let v3 = dir.path().join("v3.ngram");
+        crate::merge_models(&[&v2], &v3, &crate::MergeOptions::default()).unwrap();
+        let m3 = NGramModel::open_with(&v3, &OpenOptions { verify: true, ..Default::default() })
+            .unwrap();
+        assert_eq!(m3.info().format_version, 3);
+        let kinds: Vec<&str> = m3.info().sections.iter().map(|s| s.kind).collect();
+        assert!(kinds.contains(&"count-codes") && !kinds.contains(&"count-ranks"));
+        check_against(&m3, &c, &contexts_of(&c));
+        assert!(m3.bytes() < m.bytes(), "{} vs {}", m3.bytes(), m.bytes());
+    }
+
+    /// A count-code block whose escape base points past the escapes: an error at query time
+    /// (never a panic) and in verify; a base that is merely wrong is caught by verify.
+    #[test]
+    fn corrupt_count_codes_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (small, c) = small_model(dir.path());
+        let path = dir.path().join("coded.ngram");
+        // One-bit codes: every count above the smallest escapes.
+        let layout = Layout {
+            version: VERSION,
+            bucket_stride: 1,
+            code_width: Some(1),
+        };
+        c.write_as(&path, 2, &layout).unwrap();
+        let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() })
+            .unwrap();
+        check_against(&m, &c, &contexts_of(&c));
+        assert!(m.header.orders[1].count_escapes > 0);
+        assert!(m.bytes() != std::fs::metadata(&small).unwrap().len());
+        let s = *m.header.section(SectionKind::CountCodes, 2).unwrap();
+        drop(m);
+        for (base, want) in [(1000u64, "escape"), (1, "escapes before it")] {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let at = s.offset as usize;
+            bytes[at..at + 8].copy_from_slice(&base.to_le_bytes());
+            let bad = dir.path().join("bad.ngram");
+            std::fs::write(&bad, &bytes).unwrap();
+            assert!(NGramModel::open(&bad).is_err(), "stale checksum");
+            rechecksum(&bad);
+            let m = NGramModel::open(&bad).unwrap();
+            let err = m.verify().unwrap_err();
+            assert!(err.to_string().contains(want), "{err}");
+            if base == 1000 {
+                // [1, 2] was seen 5 times: an escaped count.
+                let err = m.count(&[1, 2]).unwrap_err();
+                assert!(
+                    matches!(err, NGramError::Corrupt { .. }) && err.to_string().contains("escape"),
+                    "{err}"
+                );
+                let err = m.prob(&[1], 2).unwrap_err();
+                assert!(err.to_string().contains("escape"), "{err}");
+            }
+            exercise(&m);
+        }
     }
 
     #[test]
