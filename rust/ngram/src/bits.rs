@@ -351,14 +351,48 @@ pub fn best_code_width(freq: &[u64]) -> (u32, u64) {
     for w in 1..=MAX_CODE_WIDTH {
         let direct = (escape_code(w) as usize).min(freq.len());
         let escapes: u64 = freq[direct..].iter().sum();
-        let bytes = coded_bytes(n, w).unwrap_or(u64::MAX).saturating_add(
-            packed_bytes(escapes, escape_width(table, w)).unwrap_or(u64::MAX),
-        );
+        let bytes = coded_bytes(n, w)
+            .unwrap_or(u64::MAX)
+            .saturating_add(packed_bytes(escapes, escape_width(table, w)).unwrap_or(u64::MAX));
         if bytes < best.0 {
             best = (bytes, w, escapes);
         }
     }
     (best.1, best.2)
+}
+
+/// The shape of `width`-bit count codes, computed once per column (see [`Coded`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CodeShape {
+    width: u32,
+    mask: u64,
+    per_word: u64,
+    per_block: u64,
+    /// Bit 0 of every code of a word.
+    lows: u64,
+}
+
+impl CodeShape {
+    /// `None` for a width outside 1..=[`MAX_CODE_WIDTH`].
+    pub fn new(width: u32) -> Option<Self> {
+        if !(1..=MAX_CODE_WIDTH).contains(&width) {
+            return None;
+        }
+        let per_word = u64::from(64 / width);
+        let lows = (0..per_word).fold(0u64, |m, j| m | 1 << (j * u64::from(width)));
+        Some(CodeShape {
+            width,
+            mask: mask(width),
+            per_word,
+            per_block: CODE_WORDS * per_word,
+            lows,
+        })
+    }
+
+    #[inline]
+    pub fn width(&self) -> u32 {
+        self.width
+    }
 }
 
 /// A read-only view of a count-code column and its escapes (see [`CODE_BLOCK_BYTES`]).
@@ -370,7 +404,6 @@ pub struct Coded<'a> {
     mask: u64,
     per_word: u64,
     per_block: u64,
-    /// Bit 0 of every code of a word.
     lows: u64,
 }
 
@@ -378,22 +411,26 @@ impl<'a> Coded<'a> {
     /// A view of `len` codes of `width` bits and their escape array; `None` if `blocks` is
     /// too short or the width is outside 1..=[`MAX_CODE_WIDTH`].
     pub fn new(blocks: &'a [u8], len: u64, width: u32, escapes: Packed<'a>) -> Option<Self> {
-        if !(1..=MAX_CODE_WIDTH).contains(&width)
-            || (blocks.len() as u64) < coded_bytes(len, width)?
-        {
+        let shape = CodeShape::new(width)?;
+        if (blocks.len() as u64) < coded_bytes(len, width)? {
             return None;
         }
-        let per_word = u64::from(64 / width);
-        let lows = (0..per_word).fold(0u64, |m, j| m | 1 << (j * u64::from(width)));
-        Some(Coded {
+        Some(Self::trusted(blocks, shape, escapes))
+    }
+
+    /// A view over blocks whose size [`Self::new`] already accepted (at open); a bad size
+    /// would panic on a slice bound, never read out of bounds.
+    #[inline(always)]
+    pub fn trusted(blocks: &'a [u8], shape: CodeShape, escapes: Packed<'a>) -> Self {
+        Coded {
             blocks,
             escapes,
-            width,
-            mask: mask(width),
-            per_word,
-            per_block: CODE_WORDS * per_word,
-            lows,
-        })
+            width: shape.width,
+            mask: shape.mask,
+            per_word: shape.per_word,
+            per_block: shape.per_block,
+            lows: shape.lows,
+        }
     }
 
     #[inline]
@@ -429,6 +466,38 @@ impl<'a> Coded<'a> {
     /// file's block bases point past the escape array (a corrupt file).
     #[inline]
     pub fn get(&self, i: u64) -> Result<u64, u64> {
+        let (code, e) = self.read(i);
+        self.pick(code, e)
+    }
+
+    /// The value a [`Self::read`] stands for; `Err` with the escape index when the block
+    /// base points past the escapes.
+    #[inline(always)]
+    pub fn pick(&self, code: u64, e: u64) -> Result<u64, u64> {
+        if code != self.mask {
+            return Ok(code);
+        }
+        self.escaped(e).ok_or(e)
+    }
+
+    /// Escaped value number `e`; `None` past the escapes (a corrupt block base).
+    #[inline(always)]
+    pub fn escaped(&self, e: u64) -> Option<u64> {
+        (e < self.escapes.len()).then(|| self.mask + self.escapes.get(e))
+    }
+
+    /// Starts loading escaped value number `e` (any `e`, as [`Packed::prefetch`]).
+    #[inline(always)]
+    pub fn prefetch_escape(&self, e: u64) {
+        self.escapes.prefetch(e);
+    }
+
+    /// The code of value `i` and the escape index it has if the code is the escape code
+    /// (for [`Self::pick`]). Nothing here branches on the code: a branch on a value that
+    /// just missed the cache mispredicts half the time and holds back every later load, so
+    /// a batch reads every code first and picks afterwards.
+    #[inline(always)]
+    pub fn read(&self, i: u64) -> (u64, u64) {
         let b = i / self.per_block;
         let at = i - b * self.per_block;
         let word = at / self.per_word;
@@ -437,19 +506,15 @@ impl<'a> Coded<'a> {
         let w = load_u64(self.blocks, base + 8 + 8 * word as usize);
         let shift = field * u64::from(self.width);
         let code = (w >> shift) & self.mask;
-        if code != self.mask {
-            return Ok(code);
-        }
         let mut e = load_u64(self.blocks, base);
         for j in 0..word as usize {
             e = e.wrapping_add(self.escapes_in(load_u64(self.blocks, base + 8 + 8 * j)));
         }
         // Fields below this one (`shift < 64`: a word holds `64 / width` codes).
-        e = e.wrapping_add(self.escapes_in(w & ((1u64 << shift) - 1)));
-        if e >= self.escapes.len() {
-            return Err(e);
-        }
-        Ok(self.mask + self.escapes.get(e))
+        (
+            code,
+            e.wrapping_add(self.escapes_in(w & ((1u64 << shift) - 1))),
+        )
     }
 
     /// Starts loading the block that holds value `i` (both cache lines it may span). Any
@@ -628,7 +693,11 @@ mod tests {
     fn coded_size(freq: &[u64], width: u32) -> u64 {
         let n = freq.iter().sum();
         coded_bytes(n, width).unwrap()
-            + packed_bytes(freq_above(freq, width), escape_width(freq.len() as u64, width)).unwrap()
+            + packed_bytes(
+                freq_above(freq, width),
+                escape_width(freq.len() as u64, width),
+            )
+            .unwrap()
     }
 
     proptest! {

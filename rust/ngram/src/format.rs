@@ -9,7 +9,9 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::bits::{coded_bytes, escape_code, escape_width, packed_bytes, width_for, MAX_CODE_WIDTH};
+use crate::bits::{
+    coded_bytes, escape_code, escape_width, packed_bytes, width_for, MAX_CODE_WIDTH,
+};
 use crate::error::{NGramError, Result};
 
 pub const MAGIC: [u8; 8] = *b"DARTNGRM";

@@ -18,7 +18,7 @@ use memmap2::{Advice, Mmap, MmapOptions};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::bits::{codes_per_block, escape_width, width_for, Coded, Packed};
+use crate::bits::{codes_per_block, escape_width, width_for, CodeShape, Coded, Packed};
 use crate::error::{NGramError, Result};
 use crate::format::{BucketSlice, Header, Section, SectionKind, FIXED_HEADER, NO_EOS};
 use crate::writer::ModelMeta;
@@ -107,7 +107,7 @@ struct Level {
     /// Order 1: the counts; order >= 2 (versions 1 and 2): ranks into `values`.
     counts: Col,
     /// Order >= 2 (version 3): the ranks into `values` as count codes, and their escapes.
-    codes: Option<(Col, Col)>,
+    codes: Option<(Col, Col, CodeShape)>,
     /// Order >= 2: the distinct counts (u64 LE), `(offset, len)`.
     values: (usize, u64),
     /// Order >= 2: last token of each n-gram.
@@ -145,6 +145,53 @@ impl Ranks<'_> {
             Ranks::Coded(c) => c.prefetch(i),
         }
     }
+
+    /// Starts reading the rank of entry `i`: its code and escape index (version 3), and the
+    /// escape's load, without branching on the code ([`Coded::read`]); [`Self::finish`]
+    /// gives the rank.
+    #[inline(always)]
+    fn start(&self, i: u64) -> RankRead {
+        match self {
+            Ranks::Plain(p) => RankRead {
+                code: p.get(i),
+                escape: None,
+            },
+            Ranks::Coded(c) => {
+                let (code, e) = c.read(i);
+                c.prefetch_escape(e);
+                RankRead {
+                    code,
+                    escape: Some(e),
+                }
+            }
+        }
+    }
+
+    /// The rank [`Self::start`] read; `Err` with the escape index past the escapes.
+    #[inline(always)]
+    fn finish(&self, r: RankRead) -> std::result::Result<u64, u64> {
+        match (self, r.escape) {
+            (Ranks::Coded(c), Some(e)) => c.pick(r.code, e),
+            _ => Ok(r.code),
+        }
+    }
+}
+
+/// A rank being read ([`Ranks::start`]).
+#[derive(Clone, Copy, Debug)]
+struct RankRead {
+    code: u64,
+    escape: Option<u64>,
+}
+
+impl Ranks<'_> {}
+
+/// A context's count being read ([`NGramModel::locate_pending`]): known (order 1), or the
+/// rank of order n's entry i being read.
+#[derive(Clone, Copy, Debug)]
+enum PendingCount {
+    Known(u64),
+    Rank(usize, u64, RankRead),
 }
 
 /// One candidate of `prob_many` being searched among a context's children.
@@ -516,10 +563,13 @@ impl NGramModel {
                         rec.count_escapes,
                         escape_width(rec.count_values, rec.count_width),
                     )?;
-                    lv.codes = Some((blocks, escapes));
-                    self.coded(blocks, escapes).ok_or_else(|| {
+                    let shape = self
+                        .coded(blocks, escapes)
+                        .map(|_| CodeShape::new(blocks.width));
+                    let shape = shape.flatten().ok_or_else(|| {
                         self.corrupt(format!("section count-codes of order {n} is too short"))
                     })?;
+                    lv.codes = Some((blocks, escapes, shape));
                 } else {
                     lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
                 }
@@ -597,7 +647,11 @@ impl NGramModel {
         let lv = &self.levels[n - 1];
         match lv.codes {
             // Open checked the size (`coded` returned `Some`).
-            Some((blocks, escapes)) => Ranks::Coded(self.coded(blocks, escapes).expect("checked")),
+            Some((b, escapes, shape)) => Ranks::Coded(Coded::trusted(
+                &self.map[b.off..b.off + b.bytes],
+                shape,
+                self.view(escapes),
+            )),
             None => Ranks::Plain(self.view(lv.counts)),
         }
     }
@@ -772,12 +826,17 @@ impl NGramModel {
     /// Count of entry `i` of order `n` (`i < entries(n)`).
     #[inline]
     fn count_at(&self, n: usize, i: u64) -> Result<u64> {
-        let lv = &self.levels[n - 1];
         if n == 1 {
-            return Ok(self.view(lv.counts).get(i));
+            return Ok(self.view(self.levels[0].counts).get(i));
         }
         let c = self.rank_in(&self.ranks(n), n, i)?;
-        let (off, len) = lv.values;
+        self.count_of_rank(n, i, c)
+    }
+
+    /// The count of rank `c` in order `n`'s table (`i`: the entry, for the error).
+    #[inline]
+    fn count_of_rank(&self, n: usize, i: u64, c: u64) -> Result<u64> {
+        let (off, len) = self.levels[n - 1].values;
         if c >= len {
             return Err(self.bad_rank(n, i, c, len));
         }
@@ -838,32 +897,63 @@ impl NGramModel {
     /// Locates `ctx` (1..N-1 tokens, already checked against the vocabulary): its children's
     /// range in the next order and its count; `None` if it was never seen.
     fn locate(&self, ctx: &[u32]) -> Result<Option<Ctx>> {
+        let Some((mut c, count)) = self.locate_pending(ctx)? else {
+            return Ok(None);
+        };
+        c.count = self.count_finish(count)?;
+        Ok(Some(c))
+    }
+
+    /// [`Self::locate`] with the count only started: the returned context's `count` is 0
+    /// until [`Self::count_finish`] of the pending count sets it. An escaped count (version
+    /// 3) is a second dependent load; started here, it overlaps the search of the children.
+    fn locate_pending(&self, ctx: &[u32]) -> Result<Option<(Ctx, PendingCount)>> {
         debug_assert!(!ctx.is_empty() && ctx.len() < self.order());
         let mut id = u64::from(ctx[0]);
-        let mut count = self.count_at(1, id)?;
-        if count == 0 {
+        let unigram = self.count_at(1, id)?;
+        if unigram == 0 {
             return Ok(None);
         }
         for (i, &t) in ctx.iter().enumerate().skip(1) {
-            // `id` is at order i; find t among its children at order i+1.
+            // `id` is at order i; find t among its children at order i+1 (whose counts are
+            // at least 1: only the last one's is read).
             let (lo, hi) = self.children_of(i, id)?;
             match self.children(i, lo, hi).find(u64::from(t))? {
-                Some(j) => {
-                    id = j;
-                    count = self.count_at(i + 1, j)?;
-                }
+                Some(j) => id = j,
                 None => return Ok(None),
             }
         }
         let order = ctx.len();
+        let count = if order == 1 {
+            PendingCount::Known(unigram)
+        } else {
+            PendingCount::Rank(order, id, self.ranks(order).start(id))
+        };
         let (lo, hi) = self.children_of(order, id)?;
-        Ok(Some(Ctx {
-            order,
-            id,
-            lo,
-            hi,
+        Ok(Some((
+            Ctx {
+                order,
+                id,
+                lo,
+                hi,
+                count: 0,
+            },
             count,
-        }))
+        )))
+    }
+
+    /// The count a [`PendingCount`] stands for.
+    #[inline]
+    fn count_finish(&self, count: PendingCount) -> Result<u64> {
+        let (n, i, read) = match count {
+            PendingCount::Known(c) => return Ok(c),
+            PendingCount::Rank(n, i, read) => (n, i, read),
+        };
+        let rank = self
+            .ranks(n)
+            .finish(read)
+            .map_err(|e| self.bad_escape(n, i, e))?;
+        self.count_of_rank(n, i, rank)
     }
 
     /// The located suffixes of `context`, longest first (at most `order - 1` of them).
@@ -965,7 +1055,7 @@ impl NGramModel {
         // they overlap (order 3 needs two). Longer ones, if any, are located when reached.
         let mut early_buf = [None; 4];
         for (e, n) in early_buf.iter_mut().zip((1..=ctx.len()).rev()) {
-            *e = self.locate(&ctx[ctx.len() - n..])?;
+            *e = self.locate_pending(&ctx[ctx.len() - n..])?;
         }
         let early = &early_buf[..ctx.len().min(early_buf.len())];
         // Candidates still unmatched, and the same ordered by the rounds their search needs.
@@ -989,9 +1079,10 @@ impl NGramModel {
                 }
                 let c = match early.get(ctx.len() - n) {
                     Some(&c) => c,
-                    None => self.locate(&ctx[ctx.len() - n..])?,
+                    None => self.locate_pending(&ctx[ctx.len() - n..])?,
                 };
-                let Some(c) = c else {
+                // The context's count is read once its children are searched (below).
+                let Some((mut c, count)) = c else {
                     continue;
                 };
                 if c.hi == c.lo {
@@ -1059,25 +1150,35 @@ impl NGramModel {
                 }
                 let (off, n_values) = lv.values;
                 let table = &self.map[off..off + 8 * n_values as usize];
+                c.count = self.count_finish(count)?;
+                // Found children's ranks in two passes: the codes first, starting the load of
+                // every escaped rank, then the escapes, so their cache misses overlap.
+                let mut found = [None; BLOCK];
+                for (p, f) in pend[..np].iter().zip(found.iter_mut()) {
+                    let j = ch.lo + u64::from(p.lo);
+                    *f = (p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token))
+                        .then(|| ranks.start(j));
+                }
                 let mut keep = 0;
                 for i in 0..np {
                     let p = pend[i];
                     let j = ch.lo + u64::from(p.lo);
-                    if p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token) {
-                        let r = self.rank_in(&ranks, c.order + 1, j)?;
-                        let at = (r as usize).wrapping_mul(8);
-                        let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values)
-                        else {
-                            return Err(self.bad_rank(c.order + 1, j, r, n_values));
-                        };
-                        let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
-                        let i = b * BLOCK + usize::from(p.slot);
-                        probs[i] = self.ratio(child, &c)? as f32;
-                        matched[i] = c.order as u8;
-                    } else {
+                    let Some(read) = found[i] else {
                         pend[keep] = p;
                         keep += 1;
-                    }
+                        continue;
+                    };
+                    let r = ranks
+                        .finish(read)
+                        .map_err(|e| self.bad_escape(c.order + 1, j, e))?;
+                    let at = (r as usize).wrapping_mul(8);
+                    let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values) else {
+                        return Err(self.bad_rank(c.order + 1, j, r, n_values));
+                    };
+                    let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
+                    let i = b * BLOCK + usize::from(p.slot);
+                    probs[i] = self.ratio(child, &c)? as f32;
+                    matched[i] = c.order as u8;
                 }
                 np = keep;
             }
@@ -1322,7 +1423,7 @@ impl NGramModel {
             }
         }
         for n in 2..=n_max {
-            if let Some((blocks, escapes)) = self.levels[n - 1].codes {
+            if let Some((blocks, escapes, _)) = self.levels[n - 1].codes {
                 let codes = self.coded(blocks, escapes).expect("checked at open");
                 let mut before = 0u64;
                 for b in 0..blocks.len.div_ceil(codes_per_block(blocks.width)) {
@@ -1959,9 +2060,18 @@ mod tests {
                 Box::new(|h| h.orders[1].bucket_width = h.orders[1].child_width + 1),
             ),
             ("imply", Box::new(|h| h.bucket_stride = 1000)),
-            ("count code width", Box::new(|h| h.orders[1].count_width = 0)),
-            ("count code width", Box::new(|h| h.orders[2].count_width = 17)),
-            ("escaped counts", Box::new(|h| h.orders[2].count_escapes = 1000)),
+            (
+                "count code width",
+                Box::new(|h| h.orders[1].count_width = 0),
+            ),
+            (
+                "count code width",
+                Box::new(|h| h.orders[2].count_width = 17),
+            ),
+            (
+                "escaped counts",
+                Box::new(|h| h.orders[2].count_escapes = 1000),
+            ),
             // A version-2 reading of a version-3 file expects count ranks.
             ("count rank width", Box::new(|h| h.version = 2)),
         ];
@@ -2231,7 +2341,11 @@ mod tests {
     fn version_2_files_are_read_and_merged_into_version_3() {
         let dir = tempfile::tempdir().unwrap();
         let docs: Vec<Vec<u32>> = (0..40u32)
-            .map(|d| (0..200u32).map(|i| (i * i + d) % 97 % (1 + i % 29)).collect())
+            .map(|d| {
+                (0..200u32)
+                    .map(|i| (i * i + d) % 97 % (1 + i % 29))
+                    .collect()
+            })
             .collect();
         let c = count_corpus(&docs, 3, 100, Some(99), 1);
         let v2 = dir.path().join("v2.ngram");
@@ -2241,15 +2355,27 @@ mod tests {
             code_width: None,
         };
         c.write_as(&v2, 4, &layout).unwrap();
-        let m = NGramModel::open_with(&v2, &OpenOptions { verify: true, ..Default::default() })
-            .unwrap();
+        let m = NGramModel::open_with(
+            &v2,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(m.info().format_version, 2);
         assert!(m.info().sections.iter().any(|s| s.kind == "count-ranks"));
         check_against(&m, &c, &contexts_of(&c));
         let v3 = dir.path().join("v3.ngram");
         crate::merge_models(&[&v2], &v3, &crate::MergeOptions::default()).unwrap();
-        let m3 = NGramModel::open_with(&v3, &OpenOptions { verify: true, ..Default::default() })
-            .unwrap();
+        let m3 = NGramModel::open_with(
+            &v3,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(m3.info().format_version, 3);
         let kinds: Vec<&str> = m3.info().sections.iter().map(|s| s.kind).collect();
         assert!(kinds.contains(&"count-codes") && !kinds.contains(&"count-ranks"));
@@ -2271,8 +2397,14 @@ mod tests {
             code_width: Some(1),
         };
         c.write_as(&path, 2, &layout).unwrap();
-        let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() })
-            .unwrap();
+        let m = NGramModel::open_with(
+            &path,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         check_against(&m, &c, &contexts_of(&c));
         assert!(m.header.orders[1].count_escapes > 0);
         assert!(m.bytes() != std::fs::metadata(&small).unwrap().len());

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use rustc_hash::FxHashMap;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::bits::{best_code_width, code_of, escape_code, escape_width, width_for, CodedWriter, PackedWriter};
+use crate::bits::{
+    best_code_width, code_of, escape_code, escape_width, width_for, CodedWriter, PackedWriter,
+};
 use crate::error::{NGramError, Result};
 use crate::format::{
     BucketSlice, Header, OrderRecord, Section, SectionKind, DEFAULT_BUCKET_STRIDE,
@@ -167,7 +169,8 @@ pub(crate) fn write_model_as(
         NGramError::InvalidArgument(format!("writing {}: {detail}", path.display()))
     };
     key::check_order_fits(meta.order, meta.vocab_size).map_err(|e| bad(e.to_string()))?;
-    if !(MIN_VERSION..=VERSION).contains(&version) || (version == MIN_VERSION) != (bucket_stride == 0)
+    if !(MIN_VERSION..=VERSION).contains(&version)
+        || (version == MIN_VERSION) != (bucket_stride == 0)
     {
         return Err(bad(format!(
             "format version {version} with bucket stride {bucket_stride} (version 1 has no \
@@ -324,8 +327,7 @@ pub(crate) fn write_model_as(
     let layout = header
         .expected_sections()
         .ok_or_else(|| bad("section sizes overflow 64 bits".into()))?;
-    header.header_len =
-        Header::byte_len(version, n_max, layout.len(), header.source.len()) as u32;
+    header.header_len = Header::byte_len(version, n_max, layout.len(), header.source.len()) as u32;
 
     crate::scratch::clean_stale(&dir);
     let tmp = crate::scratch::tempfile(&dir, "write")?;
