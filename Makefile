@@ -59,8 +59,8 @@ test-python:
 lint: setup
 	cargo fmt --all --check
 	cargo clippy -q --release --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check dart_client tests
-	$(VENV)/bin/ruff format --check dart_client tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .  # the Python in README/docs code blocks too
 
 bench: setup
 	cargo bench --workspace --exclude dart-python

@@ -121,6 +121,8 @@ class DartModel:
             raise InvalidArgumentError("give a DART head or an EAGLE-3 head, not both")
         self.eagle3 = eagle3
         self.eagle3_tree = eagle3_tree or Eagle3TreeConfig()
+        #: ``tree_budget="auto"`` with an EAGLE-3 head: the measured trees (:meth:`tune`).
+        self.eagle3_tuning: Any = None
         for drafting in (head, eagle3):
             if drafting is not None:
                 drafting.check_compatible(target.config)
@@ -270,9 +272,18 @@ class DartModel:
         """The node budget measured fastest on this machine (:mod:`dart_client.decoding.autotune`),
         tuned once; the result stays in ``tree_tuning`` (``batch_tree_tunings[batch]`` for
         the per-row budget of ``batch`` sequences decoded together). ``tree_budget="auto"``
-        resolves here."""
-        from dart_client.decoding.autotune import auto_budget
+        resolves here. With an EAGLE-3 head it tunes EAGLE-3's tree instead (top-k, depth and
+        size: :func:`~dart_client.decoding.autotune.tune_eagle3_tree`), which then becomes
+        ``eagle3_tree``; the result stays in ``eagle3_tuning``."""
+        from dart_client.decoding.autotune import auto_budget, tune_eagle3_tree
 
+        if self.eagle3 is not None:
+            if batch > 1:
+                raise InvalidArgumentError("batched generation drafts with a DART head only")
+            if self.eagle3_tuning is None:
+                self.eagle3_tuning = tune_eagle3_tree(self, **kwargs)
+                self.eagle3_tree = self.eagle3_tuning.best_config()
+            return self.eagle3_tree.budget
         return auto_budget(self, batch=batch, **kwargs)
 
     def resolved_tree_budget(self, call: int | str | None = None, batch: int = 1) -> int | None:
@@ -358,7 +369,7 @@ class DartModel:
             budget = parse_tree_budget(config.tree_budget)
             budget = self.tree_budget if budget is None else budget
             if budget == "auto":
-                raise InvalidArgumentError("tree_budget 'auto' tunes DART's pruner trees only")
+                budget = self.tune(batch=batch)
             return config.replace(tree_budget=self.eagle3_tree.budget if budget is None else budget)
         if mode == "dart" and self.head is not None and self.tree_builder is not None:
             budget = self.resolved_tree_budget(config.tree_budget, batch)

@@ -16,6 +16,7 @@ from dart_client.apps.bench import harness
 from dart_client.apps.bench.cli import parser, run
 from dart_client.apps.bench.harness import BenchError, Prompt, PromptRuns, Run, Settings, Workload
 from dart_client.data import is_held_out
+from dart_client.decoding.autotune import DEFAULT_EAGLE3_GRID
 from dart_client.models.head import DartHead
 from dart_client.ngram import daemon as local_daemon
 
@@ -189,7 +190,7 @@ def test_benchmark_end_to_end(tiny_model: DartModel, tmp_path: Path, capsys: Any
     assert run(args, model=tiny_model) == 0
     record = json.loads((out / "results.json").read_text())
     methods = record["workloads"]["tiny"]["methods"]
-    expected = set(harness.METHODS) - {"eagle3"}  # not a default: it needs its own head
+    expected = set(harness.METHODS) - {"eagle3", "eagle3-auto"}  # they need their own head
     if local_daemon.dart_ngram_binary() is None:
         expected.discard("dart-remote")
         assert any("dart-remote: skipped" in n for n in record["notes"])
@@ -233,7 +234,7 @@ def test_eagle3_method_end_to_end(tiny_model: DartModel, tmp_path: Path) -> None
     args = parser().parse_args(
         [
             "--workloads", str(prompts),
-            "--methods", "ar", "eagle3",
+            "--methods", "ar", "eagle3", "eagle3-auto",
             "--eagle3-head", "random",
             "--eagle3-top-k", "3",
             "--eagle3-depth", "2",
@@ -249,10 +250,10 @@ def test_eagle3_method_end_to_end(tiny_model: DartModel, tmp_path: Path) -> None
     record = json.loads((out / "results.json").read_text())
     methods = record["workloads"]["tiny"]["methods"]
     # A compared budget runs both drafters at it, side by side.
-    assert set(methods) == {"ar", "eagle3", "eagle3@4", "dart@4"}
+    assert set(methods) == {"ar", "eagle3", "eagle3-auto", "eagle3@4", "dart@4"}
     assert methods["dart@4"]["greedy_equal_ar"] == 2
     assert any("EAGLE-3 head: an untrained random" in n for n in record["notes"])
-    for name in ("eagle3", "eagle3@4"):
+    for name in ("eagle3", "eagle3-auto", "eagle3@4"):
         assert methods[name]["greedy_equal_ar"] == 2, name
         assert methods[name]["tau"] >= 1.0 and methods[name]["draft_ms_per_step"] > 0
         assert methods[name]["stage_share"]["prune"] == 0.0  # its tree is draft forwards
@@ -260,7 +261,15 @@ def test_eagle3_method_end_to_end(tiny_model: DartModel, tmp_path: Path) -> None
     assert methods["eagle3"]["mean_tree_nodes"] <= 8
     assert methods["eagle3@4"]["mean_tree_nodes"] <= 5
     assert methods["eagle3@4"]["mean_tree_nodes"] < methods["eagle3"]["mean_tree_nodes"]
-    assert "| eagle3@4 |" in (out / "results.md").read_text()
+    # eagle3-auto decodes with the tree its tuning measured fastest.
+    tuning = record["eagle3_tree_tuning"]
+    assert len(tuning["curve"]) == len(DEFAULT_EAGLE3_GRID)
+    fastest = max(tuning["curve"], key=lambda p: p["tokens_per_s"])
+    assert tuning["best"] == [fastest["top_k"], fastest["depth"], fastest["total_tokens"]]
+    assert methods["eagle3-auto"]["mean_tree_nodes"] <= fastest["total_tokens"]
+    assert f"depth {fastest['depth']}" in record["methods"]["eagle3-auto"]
+    md = (out / "results.md").read_text()
+    assert "| eagle3@4 |" in md and "## EAGLE-3 tree (eagle3-auto)" in md
 
 
 def test_split_calibration_never_hands_the_tuner_a_measured_prompt() -> None:

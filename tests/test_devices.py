@@ -45,3 +45,20 @@ def test_commands_reject_a_bad_device_before_loading(
     assert not (tmp_path / "run").exists()
     assert dart_main(["generate", "--device", "bogus", "hello"]) != 0
     assert "unknown device 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["cli", "batched", "step_profile", "gpu_shapes"],
+)
+def test_benchmarks_reject_a_bad_device_before_loading(
+    module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib
+
+    main = importlib.import_module(f"dart_client.apps.bench.{module}").main
+    with pytest.raises(SystemExit) as exited:
+        main(["--device", "cuda:99"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "device 'cuda:99'" in err and "Traceback" not in err, err

@@ -4,6 +4,7 @@ generation through the project's one loop (greedy exact, sampling lossless)."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from test_generate import PARAMS, SMALL_VOCAB, chi_square_pvalue, exact_joint, t
 from test_train import tiny_config, tiny_data, tiny_target
 
 from dart_client.dart_model import DartModel
+from dart_client.decoding.autotune import tune_eagle3_tree
 from dart_client.decoding.eagle3 import Eagle3Drafter, Eagle3TreeConfig
 from dart_client.decoding.loop import PrefixCache
 from dart_client.errors import CheckpointError, IncompatibleHeadError, InvalidArgumentError
@@ -465,5 +467,41 @@ def test_bad_tree_settings_are_clear_errors(distilled: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="top_k = 0"):
         Eagle3TreeConfig(top_k=0)
     dm = DartModel(TargetModel(target, cpu_kernels=False), eagle3=head)
-    with pytest.raises(InvalidArgumentError, match="'auto' tunes DART"):
-        dm.generate(input_ids=[5, 6], max_new_tokens=4, tree_budget="auto")
+    with pytest.raises(InvalidArgumentError, match="DART head only"):
+        dm.tune(batch=4)
+    with pytest.raises(InvalidArgumentError, match="at least one tree"):
+        tune_eagle3_tree(dm, grid=[])
+
+
+def test_the_tuned_tree_replays_generation_and_auto_decodes_with_it(distilled: Any) -> None:
+    """EAGLE-3's own tuned tree: every tree's replayed acceptance is what greedy generation
+    with that tree accepts, step for step (float64); the fastest estimate is chosen; and
+    ``tree_budget="auto"`` decodes with the chosen tree, still the target's greedy output."""
+    target, head, prompts = distilled
+    shared = TargetModel(target, cpu_kernels=False)
+    grid = [(2, 1, 3), (4, 2, 8), (4, 4, 16)]
+    dm = DartModel(shared, eagle3=head)
+    tuning = tune_eagle3_tree(dm, prompts=prompts[:3], grid=grid, continuation_tokens=24, repeats=1)
+    assert [(p.top_k, p.depth, p.total_tokens) for p in tuning.curve] == grid
+    fastest = max(tuning.curve, key=lambda p: p.tokens_per_s)
+    assert tuning.best == (fastest.top_k, fastest.depth, fastest.total_tokens)
+    for point in tuning.curve:
+        tree = Eagle3TreeConfig(point.top_k, point.depth, point.total_tokens)
+        alone = DartModel(shared, eagle3=head, eagle3_tree=tree)
+        steps = []
+        for ids in prompts[:3]:
+            steps += alone.generate(input_ids=ids, max_new_tokens=24).accept_lengths[1:]
+        assert point.tau == pytest.approx(statistics.fmean(steps)), (point, steps)
+    taus = sorted(p.tau for p in tuning.curve)
+    assert taus[-1] > taus[0] + 0.2, f"trees accept alike ({taus}): the replay check is vacuous"
+    auto = DartModel(shared, eagle3=head, tree_budget="auto")
+    assert auto.tune(prompts=prompts[:3], grid=grid, continuation_tokens=24, repeats=1) == (
+        auto.eagle3_tree.budget
+    )
+    # Its own tuning's choice (timings differ run to run: not necessarily the one above).
+    assert auto.eagle3_tree == auto.eagle3_tuning.best_config()
+    assert auto.eagle3_tuning.best in grid
+    for ids in prompts[3:6]:
+        got = auto.generate(input_ids=ids, max_new_tokens=24)
+        assert got.tokens == auto.generate(input_ids=ids, max_new_tokens=24, mode="ar").tokens
+        assert max(got.tree_sizes) <= auto.eagle3_tree.total_tokens

@@ -140,12 +140,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 
     * ``main``: an API key, a queue for the load test;
     * ``batched``: the same, decoding up to 4 requests together (continuous batching);
-    * ``small``: a queue of one, an 8 s timeout, a 3 s shutdown grace, no API key."""
+    * ``small``: a queue of one, an 8 s timeout, a 6 s shutdown grace, no API key."""
     tmp = tmp_path_factory.mktemp("serve")
     started = {
         "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256"),
         "batched": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256", "--max-batch=4"),
-        "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=3"),
+        "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=6"),
     }
     yield started
     for s in started.values():
@@ -524,9 +524,10 @@ def test_timeout_is_a_504_and_the_worker_moves_on(small: Server) -> None:
 
 
 def test_sigterm_finishes_in_flight_and_ends_the_rest_with_503(small: Server) -> None:
-    """SIGTERM with a 3 s grace: the running short request finishes, the queued long one runs
-    until the grace is over and ends with a shutting-down error; a new request gets 503; the
-    process exits 0. No request is left without an answer."""
+    """SIGTERM with a 6 s grace (3 s failed once on a loaded 2-core machine): the running
+    short request finishes, the queued long one runs until the grace is over and ends with a
+    shutting-down error; a new request gets 503; the process exits 0. No request is left
+    without an answer."""
     name = "dart-smollm2-135m-instruct"
     short = small.client(api_key="x").completions.create(
         model=name, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True

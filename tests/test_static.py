@@ -26,9 +26,12 @@ from dart_client.decoding.accept import accept_greedy
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import PrefixCache
 from dart_client.decoding.static import (
+    KEEP_FREE_STATIC_CACHES,
     StaticVerifier,
     bucket_sizes,
+    lend_cache,
     resolve_static,
+    return_cache,
     static_capacity,
     verifier_for,
 )
@@ -232,6 +235,26 @@ def test_static_path_with_a_prefix_cache_and_a_reused_cache(tiny: Any) -> None:
         )
     held = dm.target.__dict__["_static_caches"]
     assert len(held) == 1 and not held[0].lent
+
+
+def test_the_static_cache_pool_keeps_only_the_largest_free_caches(tiny: Any) -> None:
+    """Concurrent generations each borrow their own cache; once they end, the target keeps
+    the largest free ones (each serves any shorter context) and drops the rest."""
+    target = TargetModel(tiny[0])
+    lent = [lend_cache(target, capacity) for capacity in (16, 64, 32, 128)]
+    assert len({id(c) for c in lent}) == 4 and all(c.lent for c in lent)
+    for cache in lent:
+        return_cache(target, cache)
+    held = target.__dict__["_static_caches"]
+    assert len(held) == KEEP_FREE_STATIC_CACHES == 2
+    assert sorted(c.capacity for c in held) == sorted(c.capacity for c in lent)[-2:]
+    # A shorter context reuses the smaller of the two; a lent cache is never handed out twice.
+    first, second = lend_cache(target, 20), lend_cache(target, 20)
+    assert first is held[0] or first is held[1]
+    assert second is not first and second.capacity >= 20
+    return_cache(target, first)
+    return_cache(target, second)
+    assert all(not c.lent for c in held) and len(held) == 2
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -73,28 +73,19 @@ DEMO_PROMPTS = [
 def generation_demo(max_new_tokens: int, threads: int | None) -> None:
     import torch
 
-    from dart_client.dart_model import DartModel
-    from dart_client.ngram import NGram
-    from dart_client.ngram.embedded import ensure_ngram
+    from dart_client.dart_model import build_model
 
     if threads:
         torch.set_num_threads(threads)
-    head = embedded.shipped_head()
-    model = DartModel.from_pretrained(embedded.smollm2_gguf(), head, torch_dtype=torch.bfloat16)
-    dart = DartModel(
-        model.target,
-        model.head,
-        tokenizer=model.tokenizer,
-        ngram=NGram.open(ensure_ngram().path),
-        template=model.template,
-        tree_budget="auto",
-    )
-    # The tree size that is fastest on this machine (a CPU affords far fewer nodes than a GPU).
+    # The tree size that is fastest on this machine (a CPU affords far fewer nodes than a
+    # GPU): tuned at the first run, then read from the tuning cache.
+    notes: list[str] = []
+    dart = build_model(None, "auto", "embedded", dtype="bf16", tree_budget="auto", notes=notes)
     budget = dart.tune()
     print(
-        f"\nSmolLM2-135M-Instruct bf16 on CPU, head {head.name}, greedy, "
-        f"{max_new_tokens} new tokens per prompt; tree of {budget} draft nodes, auto-tuned in "
-        f"{dart.tree_tuning.seconds:.1f} s"
+        f"\nSmolLM2-135M-Instruct bf16 on CPU, head {embedded.shipped_head().name}, greedy, "
+        f"{max_new_tokens} new tokens per prompt; tree of {budget} draft nodes "
+        f"({notes[-1] if notes else 'tuned now'})"
     )
     # One short warm-up of each, so first-call costs don't count.
     for mode in ("ar", "dart"):

@@ -44,7 +44,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--small-ngram", action="store_true", help="use the directory's small model")
     g.add_argument("--ngram-server", help="host:port of an n-gram daemon instead of --ngram")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    g.add_argument("--device", default="cpu", help="device_map for the target (default cpu)")
+    add_device_argument(g, device_map=True)
     g.add_argument(
         "--template",
         default="auto",
@@ -76,6 +76,35 @@ def add_cpu_kernels_argument(g: Any) -> None:
         action="store_false",
         help="run the target on PyTorch's plain CPU kernels, not the decoding ones (oneDNN-"
         "packed weights, which take a second copy of them, and small-query attention)",
+    )
+
+
+def device_spec(spec: str) -> str:
+    """``--device``'s argparse type: ``spec`` unchanged once it names a device this machine
+    has (a usage error naming the problem otherwise, before any model loads)."""
+    from dart_client.devices import check_device  # here: it imports torch, --help does not
+
+    try:
+        check_device(spec)
+    except DartError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return spec
+
+
+def _device_map_spec(spec: str) -> str:
+    # device_map="auto" lets accelerate place the layers over every device it finds.
+    return spec if spec == "auto" else device_spec(spec)
+
+
+def add_device_argument(g: Any, default: str = "cpu", *, device_map: bool = False) -> None:
+    """``--device`` (``args.device``, a validated spec string); ``device_map=True`` also
+    takes ``auto`` (accelerate's placement)."""
+    g.add_argument(
+        "--device",
+        type=_device_map_spec if device_map else device_spec,
+        default=default,
+        help=f"the target's device: cpu, cuda, cuda:1{', auto' if device_map else ''} "
+        f"(default {default})",
     )
 
 
@@ -143,13 +172,6 @@ def generation_config(
 
 def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Usage errors of the model options (exit 2) before anything loads."""
-    if args.device != "auto":  # device_map="auto" lets accelerate place the layers
-        from dart_client.devices import check_device
-
-        try:
-            check_device(args.device)
-        except DartError as err:
-            parser.error(str(err))
     if args.prompt_lookup < 0:
         parser.error(f"--prompt-lookup {args.prompt_lookup}: expected a path length >= 0")
     if args.template not in ("auto", "none"):

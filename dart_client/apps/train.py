@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_client.apps.cli import run_command
-from dart_client.apps.options import add_prompt_lookup_argument
+from dart_client.apps.options import add_device_argument, add_prompt_lookup_argument
 from dart_client.data.conversations import Conversation, is_held_out
 from dart_client.data.prompt_response import read_conversations
 from dart_client.embedded import display_path
@@ -69,7 +69,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every-steps", type=int, default=0)
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--device", default="cpu")
+    add_device_argument(p)
     p.add_argument("--resume", default="auto", help="'auto' (latest checkpoint), 'none' or a path")
     p.add_argument(
         "--init-head",
@@ -95,21 +95,12 @@ def _args(argv: Sequence[str] | None) -> list[str]:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The arguments, a device that does not exist being a usage error (exit 2) before
     anything loads."""
-    args = parser.parse_args(argv)
-    if getattr(args, "device", None) is not None:
-        from dart_client.devices import check_device  # after --help: it imports torch
-
-        try:
-            check_device(args.device)
-        except DartError as err:
-            parser.error(str(err))
-    return args
+    return parser.parse_args(argv)
 
 
 def _train(args: argparse.Namespace) -> int:
     import torch  # here, not at import: `dart train --help` answers without it
 
-    from dart_client.devices import check_device
     from dart_client.train.data import cached_training_set
     from dart_client.train.trainer import TrainConfig, Trainer, init_distributed
 
@@ -125,7 +116,6 @@ def _train(args: argparse.Namespace) -> int:
         draft_length = 3 if args.draft_length is None else args.draft_length
         gamma = 0.6 if args.gamma is None else args.gamma
 
-    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed(args.device)
@@ -397,7 +387,7 @@ def _regenerate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="stop after this many conversations in total")
     p.add_argument("--threads", type=int)
-    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, cuda:1)")
+    add_device_argument(p)
     args = _parse(p, argv)
     device = check_device(args.device)
     if args.threads:

@@ -317,11 +317,7 @@ class _Calibration:
         self.prompt_len = len(prompt)
         self.max_new = new_tokens
         self.clock = clock
-        result = generate(
-            model, GenerationConfig(max_new_tokens=new_tokens), mode="ar", input_ids=prompt
-        )
-        self.generated = len(result.tokens)
-        self.seq = [*prompt, *result.tokens]
+        self.seq, self.generated = _greedy_continuation(model, prompt, new_tokens)
         self.draft_seconds: list[float] = []
         self.rows = self._draft_all()
         self.lookups = self._lookup_all()
@@ -334,11 +330,7 @@ class _Calibration:
         assert head is not None
         device = target.device
         n = len(self.seq)
-        cache = target.new_cache(n + 1)
-        ids = torch.tensor([self.seq], dtype=torch.long, device=device)
-        positions = torch.arange(n, device=device).unsqueeze(0)
-        _, taps = target.forward(ids, positions, cache, logits_to_keep=1, taps=True)
-        assert taps is not None
+        taps = _sequence_taps(target, self.seq)
         p = self.prompt_len
         head_cache = head.new_cache(n + head.config.draft_length + 1)
         nxt = torch.tensor([self.seq[1 : p + 1]], dtype=torch.long, device=device)
@@ -403,6 +395,30 @@ class _Calibration:
             lengths.append(a)
             gen += a
         return lengths, seconds
+
+
+def _greedy_continuation(
+    model: DartModel, prompt: list[int], new_tokens: int
+) -> tuple[list[int], int]:
+    """The prompt followed by the target's greedy continuation, and that continuation's
+    length (EOS may end it before ``new_tokens``)."""
+    result = generate(
+        model, GenerationConfig(max_new_tokens=new_tokens), mode="ar", input_ids=prompt
+    )
+    return [*prompt, *result.tokens], len(result.tokens)
+
+
+@torch.no_grad()
+def _sequence_taps(target: Any, seq: list[int]) -> torch.Tensor:
+    """The target's draft taps (1, n, 3H) at every position of ``seq``, in one forward."""
+    n = len(seq)
+    device = target.device
+    cache = target.new_cache(n + 1)
+    ids = torch.tensor([seq], dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device).unsqueeze(0)
+    _, taps = target.forward(ids, positions, cache, logits_to_keep=1, taps=True)
+    assert taps is not None
+    return taps
 
 
 def _matched_depth(tree: Tree, seq: list[int], root: int) -> int:
@@ -609,3 +625,212 @@ def _read_tuning(path: Any, key_text: str) -> TreeBudgetTuning | None:
         return TreeBudgetTuning(**data)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# -- EAGLE-3's tree ----------------------------------------------------------------------------
+
+#: EAGLE-3 trees (top_k, depth, total_tokens) :func:`tune_eagle3_tree` measures by default: the
+#: published (10, 7, 60) and smaller ones, which a CPU (where every draft forward and every
+#: verified node costs) favours. A total larger than the candidates the growth produces
+#: (``k + depth * k * k`` plus the root) is left out: it is the same tree as a smaller total.
+DEFAULT_EAGLE3_GRID = tuple(
+    (k, d, t)
+    for k in (2, 4, 10)
+    for d in (1, 2, 3, 5, 7)
+    for t in (4, 8, 16, 32, 60)
+    if t - 1 <= k + d * k * k
+)
+
+
+@dataclass
+class Eagle3TreePoint:
+    """One EAGLE-3 tree's measurements (times in milliseconds per step; ``draft_ms`` is the
+    head reading the accepted positions plus growing the tree)."""
+
+    top_k: int
+    depth: int
+    total_tokens: int
+    verify_ms: float
+    draft_ms: float
+    tau: float
+    tokens_per_s: float
+    speedup: float  # estimated, over one autoregressive forward per token
+
+    @property
+    def step_ms(self) -> float:
+        return self.verify_ms + self.draft_ms
+
+
+@dataclass
+class Eagle3TreeTuning:
+    """The measured EAGLE-3 trees and the fastest one (``best``: top_k, depth, total_tokens)."""
+
+    best: tuple[int, int, int]
+    curve: list[Eagle3TreePoint]
+    ar_forward_ms: float
+    context_tokens: int
+    calibration_prompts: int
+    calibration_tokens: int
+    device: str
+    dtype: str
+    threads: int
+    seconds: float
+
+    def best_config(self) -> Any:
+        from dart_client.decoding.eagle3 import Eagle3TreeConfig
+
+        k, d, t = self.best
+        return Eagle3TreeConfig(top_k=k, depth=d, total_tokens=t)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for point, raw in zip(self.curve, out["curve"], strict=True):
+            raw["step_ms"] = point.step_ms
+        return out
+
+    def table(self, rows: int | None = None) -> str:
+        return eagle3_tuning_table(self.to_dict(), rows)
+
+
+def eagle3_tuning_table(t: dict[str, Any], rows: int | None = None) -> str:
+    """An :class:`Eagle3TreeTuning` (as its dict, e.g. from a benchmark's JSON) as a Markdown
+    table: the ``rows`` fastest trees (all by default), the chosen one marked."""
+    lines = [
+        "| top-k | depth | tokens | verify ms | draft ms | est. tau | est. tok/s | speedup |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    best = tuple(t["best"])
+    for p in sorted(t["curve"], key=lambda p: -p["tokens_per_s"])[:rows]:
+        mark = " **(chosen)**" if (p["top_k"], p["depth"], p["total_tokens"]) == best else ""
+        lines.append(
+            f"| {p['top_k']}{mark} | {p['depth']} | {p['total_tokens']} | {p['verify_ms']:.2f} | "
+            f"{p['draft_ms']:.2f} | {p['tau']:.2f} | {p['tokens_per_s']:.1f} | "
+            f"{p['speedup']:.2f}x |"
+        )
+    lines.append(
+        "\ntokens: the tree's, the root included (draft nodes + 1). "
+        f"One autoregressive forward: {t['ar_forward_ms']:.2f} ms at {t['context_tokens']} "
+        f"cached tokens ({t['device']}, {t['dtype']}, {t['threads']} threads); "
+        f"{t['calibration_tokens']} calibration tokens over {t['calibration_prompts']} "
+        f"prompts; {len(t['curve'])} trees tuned in {t['seconds']:.1f} s."
+    )
+    return "\n".join(lines)
+
+
+def tune_eagle3_tree(
+    model: DartModel,
+    *,
+    prompts: Sequence[str | Sequence[int]] | None = None,
+    grid: Sequence[tuple[int, int, int]] = DEFAULT_EAGLE3_GRID,
+    continuation_tokens: int = CONTINUATION_TOKENS,
+    context_tokens: int = 256,
+    repeats: int = 3,
+    seed: int = 0,
+) -> Eagle3TreeTuning:
+    """EAGLE-3's own tuned tree on this machine: :func:`autotune` for a model drafting with an
+    EAGLE-3 head. Every tree of ``grid`` (top_k, depth, total_tokens) replays greedy generation
+    over the target's own continuation of the calibration prompts: the head reads the accepted
+    positions (teacher forced, as generation feeds it) and grows its real tree at every step,
+    timed; the tree's accepted length is the longest path matching the continuation. The
+    verification forward of each tree size is timed as :func:`autotune` times it. The
+    fastest estimated tokens/s wins (ties to the smaller tree)."""
+    from dart_client.decoding.eagle3 import Eagle3Drafter, Eagle3TreeConfig
+
+    if model.eagle3 is None:
+        raise InvalidArgumentError("EAGLE-3 tree tuning needs a DartModel with an EAGLE-3 head")
+    configs = [Eagle3TreeConfig(top_k=k, depth=d, total_tokens=t) for k, d, t in grid]
+    if not configs:
+        raise InvalidArgumentError("the EAGLE-3 grid must list at least one tree")
+    if continuation_tokens < 2:
+        raise InvalidArgumentError(f"continuation_tokens must be >= 2, got {continuation_tokens}")
+    start = time.perf_counter()
+    encoded = _calibration_ids(model, prompts, seed)
+    clock = _Clock(model.target.device, model.target.clock)
+    lengths: dict[Any, list[int]] = {c: [] for c in configs}
+    draft_times: dict[Any, list[float]] = {c: [] for c in configs}
+    calibration_tokens = 0
+    for ids in encoded:
+        seq, generated = _greedy_continuation(model, ids, continuation_tokens)
+        calibration_tokens += generated
+        taps = _sequence_taps(model.target, seq)
+        for c in configs:
+            drafter = Eagle3Drafter(model.eagle3, c)
+            steps, seconds = _replay_eagle3(
+                drafter, seq, len(ids), generated, continuation_tokens, taps, clock
+            )
+            lengths[c].extend(steps)
+            draft_times[c].extend(seconds)
+    budgets = sorted({c.budget for c in configs})
+    verify, ar_ms = _verify_costs(model, budgets, context_tokens, repeats, clock, seed)
+    curve = []
+    for c in configs:
+        tau = statistics.fmean(lengths[c]) if lengths[c] else 1.0
+        draft_ms = 1e3 * statistics.median(draft_times[c]) if draft_times[c] else 0.0
+        tps = 1e3 * tau / (verify[c.budget] + draft_ms)
+        curve.append(
+            Eagle3TreePoint(
+                top_k=c.top_k,
+                depth=c.depth,
+                total_tokens=c.total_tokens,
+                verify_ms=verify[c.budget],
+                draft_ms=draft_ms,
+                tau=tau,
+                tokens_per_s=tps,
+                speedup=tps * ar_ms / 1e3,
+            )
+        )
+    best = max(curve, key=lambda p: (p.tokens_per_s, -p.total_tokens, -p.depth, -p.top_k))
+    return Eagle3TreeTuning(
+        best=(best.top_k, best.depth, best.total_tokens),
+        curve=curve,
+        ar_forward_ms=ar_ms,
+        context_tokens=context_tokens,
+        calibration_prompts=len(encoded),
+        calibration_tokens=calibration_tokens,
+        device=str(model.target.device),
+        dtype=str(model.target.dtype).replace("torch.", ""),
+        threads=torch.get_num_threads(),
+        seconds=time.perf_counter() - start,
+    )
+
+
+@torch.no_grad()
+def _replay_eagle3(
+    drafter: Any,
+    seq: list[int],
+    prompt_len: int,
+    generated: int,
+    max_new: int,
+    taps: torch.Tensor,
+    clock: _Clock,
+) -> tuple[list[int], list[float]]:
+    """Greedy generation with ``drafter`` over the known continuation: accepted lengths per
+    step and the seconds of each step's drafting (reading the accepted positions, growing the
+    tree); near the end the tree is capped as :meth:`_Calibration.replay` caps it."""
+    device = taps.device
+    ids = torch.tensor([seq], dtype=torch.long, device=device)
+    cache = drafter.new_cache(drafter.cache_capacity(len(seq) + 1))
+    drafter.feed(cache, taps[:, :prompt_len], ids[:, 1 : prompt_len + 1])
+    context = np.asarray(seq, dtype=np.int64)
+    lengths: list[int] = []
+    seconds: list[float] = []
+    fed_seconds = 0.0  # the previous step's reading, counted in this step's drafting
+    gen = 1
+    while gen < generated:
+        root = prompt_len + gen - 1
+        room = max_new - gen
+        b = min(drafter.config.budget, room - 1)
+        if b > 0:
+            t0 = clock()
+            tree = drafter.tree(context[: root + 1][-PRUNER_CONTEXT:], b)
+            seconds.append(fed_seconds + clock() - t0)
+            a = 1 + _matched_depth(tree, seq, root)
+        else:
+            a = 1
+        a = min(a, room, generated - gen)
+        t0 = clock()
+        drafter.feed(cache, taps[:, root : root + a], ids[:, root + 1 : root + a + 1])
+        fed_seconds = clock() - t0
+        lengths.append(a)
+        gen += a
+    return lengths, seconds

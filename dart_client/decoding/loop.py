@@ -455,7 +455,7 @@ class _Run:
             yield from self._generate(start, cache, drafter, head, head_capacity, begin, max_tree)
         finally:
             if self.static and kept is None:
-                return_cache(cache)
+                return_cache(target, cache)
 
     def _generate(
         self,

@@ -11,4 +11,5 @@ METHODS = (
     "dart-no-lookup",
     "dart-remote",
     "eagle3",
+    "eagle3-auto",
 )

@@ -32,7 +32,11 @@ METHODS = ("dart-x1", "ar-x1", "ar-xN", "dart-xN")
 
 
 def parser() -> argparse.ArgumentParser:
-    from dart_client.apps.options import add_cpu_kernels_argument, add_prompt_lookup_argument
+    from dart_client.apps.options import (
+        add_cpu_kernels_argument,
+        add_device_argument,
+        add_prompt_lookup_argument,
+    )
 
     p = argparse.ArgumentParser(
         prog="python -m dart_client.apps.bench.batched",
@@ -42,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="auto", help="DART head ('auto': the shipped one)")
     p.add_argument("--ngram", default="embedded")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--device", default="cpu")
+    add_device_argument(p)
     add_cpu_kernels_argument(p)
     add_prompt_lookup_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

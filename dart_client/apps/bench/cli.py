@@ -23,6 +23,7 @@ from typing import Any
 from dart_client.apps.bench import METHODS
 from dart_client.apps.options import (
     add_cpu_kernels_argument,
+    add_device_argument,
     add_prompt_lookup_argument,
     add_static_argument,
 )
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    g.add_argument("--device", default="cpu")
+    add_device_argument(g)
     add_static_argument(g)
     add_cpu_kernels_argument(g)
     add_prompt_lookup_argument(g)
@@ -75,10 +76,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--methods",
         nargs="+",
-        default=[m for m in METHODS if m != "eagle3"],
+        default=[m for m in METHODS if not m.startswith("eagle3")],
         choices=list(METHODS),
         help="methods to compare (ar is required: the baseline); eagle3 runs EAGLE-3's "
-        "drafter (--eagle3-head) on the same target",
+        "drafter (--eagle3-head) on the same target with the --eagle3-* tree, eagle3-auto "
+        "with the tree tuned on this machine (top-k, depth, size)",
     )
     g.add_argument("--max-prompts", type=int, default=10, help="prompts per workload")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
             else "tree budget tuned on the built-in prompts: no workload has prompts left over"
         )
     eagle3 = eagle3_tree = None
-    if "eagle3" in args.methods:
+    if any(m.startswith("eagle3") for m in args.methods):
         from dart_client.decoding.eagle3 import Eagle3TreeConfig
         from dart_client.loading import load_eagle3_head
 
@@ -224,6 +226,11 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         tuning = model.tree_tuning
         if tuning is not None:
             print(tuning.table(), file=sys.stderr)
+        eagle3_tuning = next(
+            (m.model.eagle3_tuning for m in methods if m.name == "eagle3-auto"), None
+        )
+        if eagle3_tuning is not None:
+            print(eagle3_tuning.table(rows=12), file=sys.stderr)
         results = harness.run_benchmark(methods, workloads, settings, progress=not args.no_progress)
     finally:
         for close in reversed(closers):
@@ -247,6 +254,7 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         {m.name: m.description for m in methods},
         notes,
         tuning.to_dict() if tuning is not None else None,
+        eagle3_tuning.to_dict() if eagle3_tuning is not None else None,
     )
     paths = report.write_report(record, args.output_dir)
     print(paths["markdown"].read_text())

@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dart_client.apps.options import add_device_argument
+
 #: Target shapes (Llama layout). ``llama3-8b`` with the 49k vocabulary of #20's measurements.
 SHAPES: dict[str, dict[str, int]] = {
     "llama3-8b": dict(
@@ -281,7 +283,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--device", default="cuda")
+    add_device_argument(p, "cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--tree", type=int, default=61, help="tree nodes, the root included")
@@ -292,13 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("context", "tree", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    from dart_client.devices import check_device
-    from dart_client.errors import DartError
-
-    try:
-        check_device(args.device)
-    except DartError as err:
-        p.error(str(err))
     report = measure(
         args.shape, args.device, DTYPES[args.dtype], args.context, args.tree, args.steps, args.ngram
     )

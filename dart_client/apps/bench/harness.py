@@ -430,9 +430,10 @@ def build_methods(
     the reference's GPU budget 60 beside the tuned one. ``calibration``: token ids of the
     prompts ``tree_budget="auto"`` tunes on (None: the tuner's built-in ones), each continued
     ``calibration_tokens`` tokens. Methods that cannot run here are left out with a note
-    saying why. ``eagle3`` (an ``Eagle3Head``) adds the EAGLE-3 method (its published tree,
-    ``eagle3_tree``, at its own budget unless ``tree_budget`` is an int) and ``eagle3@N``
-    per compared budget."""
+    saying why. ``eagle3`` (an ``Eagle3Head``) adds the EAGLE-3 methods: ``eagle3`` (its
+    published tree, ``eagle3_tree``, at its own budget unless ``tree_budget`` is an int),
+    ``eagle3-auto`` (its tree tuned on the calibration prompts: top-k, depth and size) and
+    ``eagle3@N`` per compared budget."""
     from dart_client.dart_model import DartModel
     from dart_client.ngram.pruner import Pruner, PrunerConfig
 
@@ -495,6 +496,24 @@ def build_methods(
                     own,
                 )
             )
+        elif name == "eagle3-auto":
+            if eagle3 is None:
+                notes.append("eagle3-auto: skipped (no EAGLE-3 head loaded)")
+                continue
+            tuned = eagle3_model()
+            tuned.tune(
+                prompts=[list(ids) for ids in calibration] if calibration else None,
+                continuation_tokens=calibration_tokens,
+            )
+            tree = tuned.eagle3_tree
+            out.append(
+                DartLoopMethod(
+                    name,
+                    tuned,
+                    f"EAGLE-3 dynamic tree tuned here (top-k {tree.top_k}, depth {tree.depth}, "
+                    f"{tree.budget} nodes)",
+                )
+            )
         elif name == "ar":
             out.append(DartLoopMethod("ar", base, "ar_generate (autoregressive)"))
         elif name == "hf":
@@ -539,7 +558,7 @@ def build_methods(
     for b in compare_budgets:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise BenchError(f"compare budget {b!r}: expected an integer >= 0")
-        if eagle3 is not None and "eagle3" in names:
+        if eagle3 is not None and {"eagle3", "eagle3-auto"} & set(names):
             out.append(DartLoopMethod(f"eagle3@{b}", eagle3_model(), f"EAGLE-3, budget {b}", b))
         if model.head is None or model.pruner is None:
             notes.append(f"dart@{b}: skipped (no DART head / pruner loaded)")

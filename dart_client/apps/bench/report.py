@@ -54,6 +54,7 @@ def build_record(
     methods: dict[str, str],
     notes: list[str],
     tuning: dict[str, Any] | None,
+    eagle3_tuning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "environment": environment,
@@ -63,6 +64,7 @@ def build_record(
         "workloads": summary,
         "per_prompt": per_prompt(results),
         "tree_budget_tuning": tuning,
+        "eagle3_tree_tuning": eagle3_tuning,
     }
 
 
@@ -120,6 +122,12 @@ def markdown(record: dict[str, Any]) -> str:
     tuning = record.get("tree_budget_tuning")
     if tuning:
         lines += ["## Tree budget (auto)", "", _tuning_table(tuning), ""]
+    eagle3_tuning = record.get("eagle3_tree_tuning")
+    if eagle3_tuning:
+        from dart_client.decoding.autotune import eagle3_tuning_table
+
+        table = eagle3_tuning_table(eagle3_tuning, rows=12)
+        lines += ["## EAGLE-3 tree (eagle3-auto), the 12 fastest", "", table, ""]
     methods = record["methods"]
     lines += ["## Methods", ""] + [f"- `{k}`: {v}" for k, v in methods.items()] + [""]
     return "\n".join(lines)

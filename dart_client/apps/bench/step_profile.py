@@ -41,7 +41,11 @@ from typing import Any
 
 import torch
 
-from dart_client.apps.options import add_cpu_kernels_argument, add_static_argument
+from dart_client.apps.options import (
+    add_cpu_kernels_argument,
+    add_device_argument,
+    add_static_argument,
+)
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES, GenerationResult, GenerationStream
 
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--tree-budget", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="the target's device (cpu, cuda, cuda:1)")
+    add_device_argument(p)
     add_static_argument(p)
     add_cpu_kernels_argument(p)
     p.add_argument("--threads", type=int, default=None)

@@ -226,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.base, args.head, args.ngram, dtype=args.dtype)
+    # Tuned (or read from the tuning cache) at start, not inside the first request.
+    model = build_model(args.base, args.head, args.ngram, dtype=args.dtype, tree_budget="auto")
     eagle3 = None
     if args.eagle3_head:
         from dart_client.dart_model import DartModel
