@@ -15,14 +15,17 @@ pub enum NGramError {
     /// The file is not a DART n-gram model at all (bad magic).
     #[error("{path}: not a DART n-gram model ({detail})")]
     NotAModel { path: PathBuf, detail: String },
-    /// A model written by an incompatible version of the format.
+    /// A model written by a newer (or unknown) version of the format.
     #[error(
-        "{path}: format version {found} is not supported (this build reads version {supported})"
+        "{path}: format version {found} is not supported (this build reads versions \
+         {min}..={max}); read it with a newer dart-ngram (or dart_client), or rewrite it as a \
+         version this build reads with the build that wrote it"
     )]
     UnsupportedVersion {
         path: PathBuf,
         found: u32,
-        supported: u32,
+        min: u32,
+        max: u32,
     },
     /// Truncated, checksum mismatch, inconsistent sections, out-of-range offsets.
     #[error("{path}: corrupt model: {detail}")]

@@ -9,12 +9,16 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::bits::{packed_bytes, width_for};
+use crate::bits::{
+    coded_bytes, escape_code, escape_width, packed_bytes, width_for, MAX_CODE_WIDTH,
+};
 use crate::error::{NGramError, Result};
 
 pub const MAGIC: [u8; 8] = *b"DARTNGRM";
-/// Version written when the file has child-bucket sections (the default).
-pub const VERSION: u32 = 2;
+/// Version written by default: child buckets and count codes.
+pub const VERSION: u32 = 3;
+/// Version 2: child buckets, count ranks at a fixed width (still read, and written on request).
+pub const VERSION_PLAIN_COUNTS: u32 = 2;
 /// Oldest version read: version 1 is version 2 without child buckets (`bucket_stride` 0).
 pub const MIN_VERSION: u32 = 1;
 /// Children per bucket-table entry written by default (see [`SectionKind::ChildBuckets`]):
@@ -22,8 +26,17 @@ pub const MIN_VERSION: u32 = 1;
 pub const DEFAULT_BUCKET_STRIDE: u32 = 8;
 /// Bytes before the per-order records.
 pub const FIXED_HEADER: usize = 104;
-/// Bytes of one per-order record.
+/// Bytes of one per-order record in versions 1 and 2 (version 3 adds `count_escapes`).
 pub const ORDER_RECORD: usize = 40;
+
+/// Bytes of one per-order record in a file of `version`.
+pub fn order_record_len(version: u32) -> usize {
+    if version >= VERSION {
+        ORDER_RECORD + 8
+    } else {
+        ORDER_RECORD
+    }
+}
 /// Bytes of one section-table entry.
 pub const SECTION_ENTRY: usize = 32;
 /// `eos` value meaning "no end-of-document token".
@@ -45,7 +58,8 @@ pub enum SectionKind {
     ChildOffsets = 2,
     /// Order n >= 2: last token of each n-gram, packed at `token_bits`.
     Tokens = 3,
-    /// Order n >= 2: rank of each n-gram's count in the order's count table, at `count_width`.
+    /// Order n >= 2 (versions 1 and 2): rank of each n-gram's count in the order's count table,
+    /// packed at `count_width`.
     CountRanks = 4,
     /// Order n >= 2: the distinct counts of the order, `u64`, strictly ascending.
     CountValues = 5,
@@ -63,6 +77,12 @@ pub enum SectionKind {
     /// (the writer's: the share of stored n-grams of orders >= 2 that end in a smaller id,
     /// scaled to 2^32), padded with zeros to a multiple of 8 bytes.
     TokenKeys = 9,
+    /// Order n >= 2 (version 3): each n-gram's count rank as a `count_width`-bit code in
+    /// 64-byte blocks (see [`crate::bits::CODE_BLOCK_BYTES`]); the all-ones code escapes.
+    CountCodes = 10,
+    /// Order n >= 2 (version 3): `count_escapes` escaped ranks, each stored minus the escape
+    /// code, packed at `escape_width(count_values, count_width)`.
+    CountEscapes = 11,
 }
 
 impl SectionKind {
@@ -77,6 +97,8 @@ impl SectionKind {
             7 => SectionKind::TopLists,
             8 => SectionKind::ChildBuckets,
             9 => SectionKind::TokenKeys,
+            10 => SectionKind::CountCodes,
+            11 => SectionKind::CountEscapes,
             _ => return None,
         })
     }
@@ -92,6 +114,8 @@ impl SectionKind {
             SectionKind::TopLists => "top-lists",
             SectionKind::ChildBuckets => "child-buckets",
             SectionKind::TokenKeys => "token-keys",
+            SectionKind::CountCodes => "count-codes",
+            SectionKind::CountEscapes => "count-escapes",
         }
     }
 }
@@ -105,7 +129,8 @@ pub struct OrderRecord {
     pub count_values: u64,
     /// Contexts of this order with a top list (0 for order N).
     pub top_contexts: u64,
-    /// Width of the count column (order 1: counts; order >= 2: ranks).
+    /// Width of the count column (order 1: counts; order >= 2: ranks in versions 1 and 2,
+    /// rank codes in version 3).
     pub count_width: u32,
     /// Width of the CSR offsets into order n+1 (0 for order N).
     pub child_width: u32,
@@ -113,6 +138,8 @@ pub struct OrderRecord {
     pub top_rel_width: u32,
     /// Width of the child-bucket entries (0 for order N and in version 1).
     pub bucket_width: u32,
+    /// Version 3, order >= 2: ranks stored in the escape array (0 otherwise).
+    pub count_escapes: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +155,7 @@ pub struct Section {
 /// The parsed header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
-    /// [`MIN_VERSION`]..=[`VERSION`]; the writer picks 1 exactly when `bucket_stride` is 0.
+    /// [`MIN_VERSION`]..=[`VERSION`]: 1 exactly when `bucket_stride` is 0; 3 has count codes.
     pub version: u32,
     pub header_len: u32,
     pub order: u32,
@@ -157,9 +184,18 @@ impl Header {
         }
     }
 
-    /// Header byte length for `order` orders, `sections` sections and a source of `source_len`.
-    pub fn byte_len(order: usize, sections: usize, source_len: usize) -> usize {
-        let body = FIXED_HEADER + order * ORDER_RECORD + sections * SECTION_ENTRY + source_len;
+    /// Whether order-n count ranks are coded (version 3) rather than packed at a fixed width.
+    pub fn coded_counts(&self) -> bool {
+        self.version >= VERSION
+    }
+
+    /// Header byte length of a `version` file with `order` orders, `sections` sections and a
+    /// source of `source_len`.
+    pub fn byte_len(version: u32, order: usize, sections: usize, source_len: usize) -> usize {
+        let body = FIXED_HEADER
+            + order * order_record_len(version)
+            + sections * SECTION_ENTRY
+            + source_len;
         body.div_ceil(8) * 8 + 8
     }
 
@@ -187,11 +223,27 @@ impl Header {
                     o,
                     packed_bytes(entries, self.token_bits)?,
                 ));
-                out.push((
-                    SectionKind::CountRanks,
-                    o,
-                    packed_bytes(entries, rec.count_width)?,
-                ));
+                if self.coded_counts() {
+                    out.push((
+                        SectionKind::CountCodes,
+                        o,
+                        coded_bytes(entries, rec.count_width)?,
+                    ));
+                    out.push((
+                        SectionKind::CountEscapes,
+                        o,
+                        packed_bytes(
+                            rec.count_escapes,
+                            escape_width(rec.count_values, rec.count_width),
+                        )?,
+                    ));
+                } else {
+                    out.push((
+                        SectionKind::CountRanks,
+                        o,
+                        packed_bytes(entries, rec.count_width)?,
+                    ));
+                }
                 out.push((
                     SectionKind::CountValues,
                     o,
@@ -264,6 +316,9 @@ impl Header {
             put_u32(&mut b, r.child_width);
             put_u32(&mut b, r.top_rel_width);
             put_u32(&mut b, r.bucket_width);
+            if self.coded_counts() {
+                put_u64(&mut b, r.count_escapes);
+            }
         }
         for s in &self.sections {
             put_u32(&mut b, s.kind as u32);
@@ -312,7 +367,8 @@ impl Header {
             return Err(NGramError::UnsupportedVersion {
                 path: path.to_path_buf(),
                 found: version,
-                supported: VERSION,
+                min: MIN_VERSION,
+                max: VERSION,
             });
         }
         let header_len = r.u32();
@@ -378,7 +434,7 @@ impl Header {
                 "implausible header: {n_sections} sections, {source_len}-byte source"
             )));
         }
-        if Header::byte_len(order as usize, n_sections, source_len) != hl {
+        if Header::byte_len(version, order as usize, n_sections, source_len) != hl {
             return Err(corrupt(format!(
                 "header length {hl} does not match {order} orders, {n_sections} sections and a \
                  {source_len}-byte source"
@@ -394,6 +450,7 @@ impl Header {
                 child_width: r.u32(),
                 top_rel_width: r.u32(),
                 bucket_width: r.u32(),
+                count_escapes: if version >= VERSION { r.u64() } else { 0 },
             };
             orders.push(rec);
         }
@@ -441,7 +498,7 @@ impl Header {
         let n_max = self.order as usize;
         if (self.version == 1) != (self.bucket_stride == 0) {
             return Err(corrupt(format!(
-                "bucket stride {} in a version-{} file (version 1 has none, version 2 needs one)",
+                "bucket stride {} in a version-{} file (version 1 has none, later ones need one)",
                 self.bucket_stride, self.version
             )));
         }
@@ -451,6 +508,7 @@ impl Header {
             if n == 1 {
                 if rec.ngrams > entries
                     || rec.count_values != 0
+                    || rec.count_escapes != 0
                     || !(1..=64).contains(&rec.count_width)
                 {
                     return Err(corrupt(format!("order 1 record is inconsistent: {rec:?}")));
@@ -462,12 +520,31 @@ impl Header {
                         rec.count_values, rec.ngrams
                     )));
                 }
-                let w = width_for(rec.count_values.saturating_sub(1));
-                if rec.count_width != w {
-                    return Err(corrupt(format!(
-                        "order {n}: count rank width {} bits, expected {w}",
-                        rec.count_width
-                    )));
+                if self.coded_counts() {
+                    let w = rec.count_width;
+                    if !(1..=MAX_CODE_WIDTH).contains(&w) {
+                        return Err(corrupt(format!(
+                            "order {n}: count code width {w} bits, expected 1..={MAX_CODE_WIDTH}"
+                        )));
+                    }
+                    // Ranks below the escape code are stored as codes: a table that short
+                    // leaves nothing to escape.
+                    let none = rec.count_values <= escape_code(w);
+                    if rec.count_escapes > rec.ngrams || (none && rec.count_escapes > 0) {
+                        return Err(corrupt(format!(
+                            "order {n}: {} escaped counts for {} n-grams and {} distinct \
+                             counts at {w}-bit codes",
+                            rec.count_escapes, rec.ngrams, rec.count_values
+                        )));
+                    }
+                } else {
+                    let w = width_for(rec.count_values.saturating_sub(1));
+                    if rec.count_width != w {
+                        return Err(corrupt(format!(
+                            "order {n}: count rank width {} bits, expected {w}",
+                            rec.count_width
+                        )));
+                    }
                 }
             }
             if n < n_max {

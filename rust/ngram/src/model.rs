@@ -18,7 +18,7 @@ use memmap2::{Advice, Mmap, MmapOptions};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::bits::{width_for, Packed};
+use crate::bits::{codes_per_block, escape_width, width_for, CodeShape, Coded, Packed};
 use crate::error::{NGramError, Result};
 use crate::format::{BucketSlice, Header, Section, SectionKind, FIXED_HEADER, NO_EOS};
 use crate::writer::ModelMeta;
@@ -104,8 +104,10 @@ struct Col {
 struct Level {
     /// Entries of this order (order 1: `vocab_size`, dense by token id).
     entries: u64,
-    /// Order 1: the counts; order >= 2: ranks into `values`.
+    /// Order 1: the counts; order >= 2 (versions 1 and 2): ranks into `values`.
     counts: Col,
+    /// Order >= 2 (version 3): the ranks into `values` as count codes, and their escapes.
+    codes: Option<(Col, Col, CodeShape)>,
     /// Order >= 2: the distinct counts (u64 LE), `(offset, len)`.
     values: (usize, u64),
     /// Order >= 2: last token of each n-gram.
@@ -117,6 +119,79 @@ struct Level {
     top_lists: Option<Col>,
     /// Order < N, version 2: the child-bucket table.
     buckets: Option<Col>,
+}
+
+/// The count ranks of one order >= 2: packed at a fixed width (versions 1 and 2) or coded.
+#[derive(Clone, Copy)]
+enum Ranks<'a> {
+    Plain(Packed<'a>),
+    Coded(Coded<'a>),
+}
+
+impl Ranks<'_> {
+    /// Rank of entry `i`; `Err` with the escape index a corrupt code block points to.
+    #[inline(always)]
+    fn get(&self, i: u64) -> std::result::Result<u64, u64> {
+        match self {
+            Ranks::Plain(p) => Ok(p.get(i)),
+            Ranks::Coded(c) => c.get(i),
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, i: u64) {
+        match self {
+            Ranks::Plain(p) => p.prefetch(i),
+            Ranks::Coded(c) => c.prefetch(i),
+        }
+    }
+
+    /// Starts reading the rank of entry `i`: its code and escape index (version 3), and the
+    /// escape's load, without branching on the code ([`Coded::read`]); [`Self::finish`]
+    /// gives the rank.
+    #[inline(always)]
+    fn start(&self, i: u64) -> RankRead {
+        match self {
+            Ranks::Plain(p) => RankRead {
+                code: p.get(i),
+                escape: None,
+            },
+            Ranks::Coded(c) => {
+                let (code, e) = c.read(i);
+                c.prefetch_escape(e);
+                RankRead {
+                    code,
+                    escape: Some(e),
+                }
+            }
+        }
+    }
+
+    /// The rank [`Self::start`] read; `Err` with the escape index past the escapes.
+    #[inline(always)]
+    fn finish(&self, r: RankRead) -> std::result::Result<u64, u64> {
+        match (self, r.escape) {
+            (Ranks::Coded(c), Some(e)) => c.pick(r.code, e),
+            _ => Ok(r.code),
+        }
+    }
+}
+
+/// A rank being read ([`Ranks::start`]).
+#[derive(Clone, Copy, Debug)]
+struct RankRead {
+    code: u64,
+    escape: Option<u64>,
+}
+
+impl Ranks<'_> {}
+
+/// A context's count being read ([`NGramModel::locate_pending`]): known (order 1), or the
+/// rank of order n's entry i being read.
+#[derive(Clone, Copy, Debug)]
+enum PendingCount {
+    Known(u64),
+    Rank(usize, u64, RankRead),
 }
 
 /// One candidate of `prob_many` being searched among a context's children.
@@ -472,7 +547,32 @@ impl NGramModel {
                 lv.counts = col(SectionKind::UnigramCounts, 1, entries, rec.count_width)?;
             } else {
                 lv.tokens = col(SectionKind::Tokens, n, entries, h.token_bits)?;
-                lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
+                if h.coded_counts() {
+                    let s = h.section(SectionKind::CountCodes, n).ok_or_else(|| {
+                        self.corrupt(format!("missing section count-codes of order {n}"))
+                    })?;
+                    let blocks = Col {
+                        off: s.offset as usize,
+                        bytes: s.length as usize,
+                        len: entries,
+                        width: rec.count_width,
+                    };
+                    let escapes = col(
+                        SectionKind::CountEscapes,
+                        n,
+                        rec.count_escapes,
+                        escape_width(rec.count_values, rec.count_width),
+                    )?;
+                    let shape = self
+                        .coded(blocks, escapes)
+                        .map(|_| CodeShape::new(blocks.width));
+                    let shape = shape.flatten().ok_or_else(|| {
+                        self.corrupt(format!("section count-codes of order {n} is too short"))
+                    })?;
+                    lv.codes = Some((blocks, escapes, shape));
+                } else {
+                    lv.counts = col(SectionKind::CountRanks, n, entries, rec.count_width)?;
+                }
                 let s = h
                     .section(SectionKind::CountValues, n)
                     .ok_or_else(|| self.corrupt(format!("missing count table of order {n}")))?;
@@ -530,6 +630,30 @@ impl NGramModel {
     #[inline]
     fn view(&self, c: Col) -> Packed<'_> {
         Packed::trusted(&self.map[c.off..c.off + c.bytes], c.len, c.width)
+    }
+
+    fn coded(&self, blocks: Col, escapes: Col) -> Option<Coded<'_>> {
+        Coded::new(
+            &self.map[blocks.off..blocks.off + blocks.bytes],
+            blocks.len,
+            blocks.width,
+            self.view(escapes),
+        )
+    }
+
+    /// The count ranks of order `n >= 2`.
+    #[inline]
+    fn ranks(&self, n: usize) -> Ranks<'_> {
+        let lv = &self.levels[n - 1];
+        match lv.codes {
+            // Open checked the size (`coded` returned `Some`).
+            Some((b, escapes, shape)) => Ranks::Coded(Coded::trusted(
+                &self.map[b.off..b.off + b.bytes],
+                shape,
+                self.view(escapes),
+            )),
+            None => Ranks::Plain(self.view(lv.counts)),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -685,15 +809,34 @@ impl NGramModel {
         ))
     }
 
+    #[cold]
+    fn bad_escape(&self, n: usize, i: u64, escape: u64) -> NGramError {
+        self.corrupt(format!(
+            "order {n} entry {i}: escaped count {escape} outside the {} escapes",
+            self.header.orders[n - 1].count_escapes
+        ))
+    }
+
+    /// Rank of entry `i` of order `n >= 2` in `ranks` (that order's).
+    #[inline(always)]
+    fn rank_in(&self, ranks: &Ranks<'_>, n: usize, i: u64) -> Result<u64> {
+        ranks.get(i).map_err(|e| self.bad_escape(n, i, e))
+    }
+
     /// Count of entry `i` of order `n` (`i < entries(n)`).
     #[inline]
     fn count_at(&self, n: usize, i: u64) -> Result<u64> {
-        let lv = &self.levels[n - 1];
-        let c = self.view(lv.counts).get(i);
         if n == 1 {
-            return Ok(c);
+            return Ok(self.view(self.levels[0].counts).get(i));
         }
-        let (off, len) = lv.values;
+        let c = self.rank_in(&self.ranks(n), n, i)?;
+        self.count_of_rank(n, i, c)
+    }
+
+    /// The count of rank `c` in order `n`'s table (`i`: the entry, for the error).
+    #[inline]
+    fn count_of_rank(&self, n: usize, i: u64, c: u64) -> Result<u64> {
+        let (off, len) = self.levels[n - 1].values;
         if c >= len {
             return Err(self.bad_rank(n, i, c, len));
         }
@@ -754,32 +897,63 @@ impl NGramModel {
     /// Locates `ctx` (1..N-1 tokens, already checked against the vocabulary): its children's
     /// range in the next order and its count; `None` if it was never seen.
     fn locate(&self, ctx: &[u32]) -> Result<Option<Ctx>> {
+        let Some((mut c, count)) = self.locate_pending(ctx)? else {
+            return Ok(None);
+        };
+        c.count = self.count_finish(count)?;
+        Ok(Some(c))
+    }
+
+    /// [`Self::locate`] with the count only started: the returned context's `count` is 0
+    /// until [`Self::count_finish`] of the pending count sets it. An escaped count (version
+    /// 3) is a second dependent load; started here, it overlaps the search of the children.
+    fn locate_pending(&self, ctx: &[u32]) -> Result<Option<(Ctx, PendingCount)>> {
         debug_assert!(!ctx.is_empty() && ctx.len() < self.order());
         let mut id = u64::from(ctx[0]);
-        let mut count = self.count_at(1, id)?;
-        if count == 0 {
+        let unigram = self.count_at(1, id)?;
+        if unigram == 0 {
             return Ok(None);
         }
         for (i, &t) in ctx.iter().enumerate().skip(1) {
-            // `id` is at order i; find t among its children at order i+1.
+            // `id` is at order i; find t among its children at order i+1 (whose counts are
+            // at least 1: only the last one's is read).
             let (lo, hi) = self.children_of(i, id)?;
             match self.children(i, lo, hi).find(u64::from(t))? {
-                Some(j) => {
-                    id = j;
-                    count = self.count_at(i + 1, j)?;
-                }
+                Some(j) => id = j,
                 None => return Ok(None),
             }
         }
         let order = ctx.len();
+        let count = if order == 1 {
+            PendingCount::Known(unigram)
+        } else {
+            PendingCount::Rank(order, id, self.ranks(order).start(id))
+        };
         let (lo, hi) = self.children_of(order, id)?;
-        Ok(Some(Ctx {
-            order,
-            id,
-            lo,
-            hi,
+        Ok(Some((
+            Ctx {
+                order,
+                id,
+                lo,
+                hi,
+                count: 0,
+            },
             count,
-        }))
+        )))
+    }
+
+    /// The count a [`PendingCount`] stands for.
+    #[inline]
+    fn count_finish(&self, count: PendingCount) -> Result<u64> {
+        let (n, i, read) = match count {
+            PendingCount::Known(c) => return Ok(c),
+            PendingCount::Rank(n, i, read) => (n, i, read),
+        };
+        let rank = self
+            .ranks(n)
+            .finish(read)
+            .map_err(|e| self.bad_escape(n, i, e))?;
+        self.count_of_rank(n, i, rank)
     }
 
     /// The located suffixes of `context`, longest first (at most `order - 1` of them).
@@ -881,7 +1055,7 @@ impl NGramModel {
         // they overlap (order 3 needs two). Longer ones, if any, are located when reached.
         let mut early_buf = [None; 4];
         for (e, n) in early_buf.iter_mut().zip((1..=ctx.len()).rev()) {
-            *e = self.locate(&ctx[ctx.len() - n..])?;
+            *e = self.locate_pending(&ctx[ctx.len() - n..])?;
         }
         let early = &early_buf[..ctx.len().min(early_buf.len())];
         // Candidates still unmatched, and the same ordered by the rounds their search needs.
@@ -905,9 +1079,10 @@ impl NGramModel {
                 }
                 let c = match early.get(ctx.len() - n) {
                     Some(&c) => c,
-                    None => self.locate(&ctx[ctx.len() - n..])?,
+                    None => self.locate_pending(&ctx[ctx.len() - n..])?,
                 };
-                let Some(c) = c else {
+                // The context's count is read once its children are searched (below).
+                let Some((mut c, count)) = c else {
                     continue;
                 };
                 if c.hi == c.lo {
@@ -966,30 +1141,44 @@ impl NGramModel {
                         p.len -= half;
                     }
                 }
-                // The children's count ranks and count table, looked up once.
+                // The children's count ranks and count table, looked up once; the rank of
+                // every child found starts loading before any is read.
                 let lv = &self.levels[c.order];
-                let ranks = self.view(lv.counts);
+                let ranks = self.ranks(c.order + 1);
+                for p in &pend[..np] {
+                    ranks.prefetch(ch.lo + u64::from(p.lo));
+                }
                 let (off, n_values) = lv.values;
                 let table = &self.map[off..off + 8 * n_values as usize];
+                c.count = self.count_finish(count)?;
+                // Found children's ranks in two passes: the codes first, starting the load of
+                // every escaped rank, then the escapes, so their cache misses overlap.
+                let mut found = [None; BLOCK];
+                for (p, f) in pend[..np].iter().zip(found.iter_mut()) {
+                    let j = ch.lo + u64::from(p.lo);
+                    *f = (p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token))
+                        .then(|| ranks.start(j));
+                }
                 let mut keep = 0;
                 for i in 0..np {
                     let p = pend[i];
                     let j = ch.lo + u64::from(p.lo);
-                    if p.len > 0 && ch.toks.get_narrow(j) == u64::from(p.token) {
-                        let r = ranks.get(j);
-                        let at = (r as usize).wrapping_mul(8);
-                        let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values)
-                        else {
-                            return Err(self.bad_rank(c.order + 1, j, r, n_values));
-                        };
-                        let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
-                        let i = b * BLOCK + usize::from(p.slot);
-                        probs[i] = self.ratio(child, &c)? as f32;
-                        matched[i] = c.order as u8;
-                    } else {
+                    let Some(read) = found[i] else {
                         pend[keep] = p;
                         keep += 1;
-                    }
+                        continue;
+                    };
+                    let r = ranks
+                        .finish(read)
+                        .map_err(|e| self.bad_escape(c.order + 1, j, e))?;
+                    let at = (r as usize).wrapping_mul(8);
+                    let Some(v) = table.get(at..at.wrapping_add(8)).filter(|_| r < n_values) else {
+                        return Err(self.bad_rank(c.order + 1, j, r, n_values));
+                    };
+                    let child = u64::from_le_bytes(v.try_into().expect("8 bytes"));
+                    let i = b * BLOCK + usize::from(p.slot);
+                    probs[i] = self.ratio(child, &c)? as f32;
+                    matched[i] = c.order as u8;
                 }
                 np = keep;
             }
@@ -1234,6 +1423,26 @@ impl NGramModel {
             }
         }
         for n in 2..=n_max {
+            if let Some((blocks, escapes, _)) = self.levels[n - 1].codes {
+                let codes = self.coded(blocks, escapes).expect("checked at open");
+                let mut before = 0u64;
+                for b in 0..blocks.len.div_ceil(codes_per_block(blocks.width)) {
+                    if codes.block_base(b) != before {
+                        return Err(self.corrupt(format!(
+                            "order {n} count-code block {b} counts {} escapes before it, there \
+                             are {before}",
+                            codes.block_base(b)
+                        )));
+                    }
+                    before += codes.block_escapes(b);
+                }
+                if before != escapes.len {
+                    return Err(self.corrupt(format!(
+                        "order {n}: {before} escape codes for {} escaped counts",
+                        escapes.len
+                    )));
+                }
+            }
             let (off, len) = self.levels[n - 1].values;
             let mut prev = 0u64;
             for i in 0..len {
@@ -1473,7 +1682,9 @@ impl Iterator for OrderIter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{VERSION, VERSION_PLAIN_COUNTS};
     use crate::testutil::{count_corpus, Counts};
+    use crate::writer::Layout;
     use proptest::prelude::*;
 
     fn corpus() -> impl Strategy<Value = (Vec<Vec<u32>>, u32)> {
@@ -1566,16 +1777,26 @@ mod tests {
             eos in any::<bool>(),
             stride in prop::sample::select(vec![0u32, 1, 2, 3, 8]),
             small_context in prop::sample::select(vec![0u64, 2, SMALL_CONTEXT]),
+            plain_counts in any::<bool>(),
+            code_width in prop::option::of(1u32..=3),
         ) {
             let eos = eos.then_some(vocab - 1);
             let c = count_corpus(&docs, order, vocab, eos, min_count);
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
-            let report = c.write_with_stride(&path, top, stride).unwrap();
+            // Every version: 1 (no buckets), 2 (plain count ranks), 3 (count codes, at the
+            // smallest width or a forced one, so that small models reach the escapes too).
+            let version = match (stride, plain_counts) {
+                (0, _) => 1,
+                (_, true) => VERSION_PLAIN_COUNTS,
+                _ => VERSION,
+            };
+            let layout = Layout { version, bucket_stride: stride, code_width };
+            let report = c.write_as(&path, top, &layout).unwrap();
             let mut m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
             m.small_context = small_context;
             prop_assert_eq!(report.bytes, m.bytes());
-            prop_assert_eq!(m.info().format_version, if stride == 0 { 1 } else { 2 });
+            prop_assert_eq!(m.info().format_version, version);
             prop_assert_eq!(m.order(), order);
             prop_assert_eq!(m.eos_id(), eos);
             prop_assert_eq!(m.meta(), c.meta());
@@ -1800,6 +2021,9 @@ mod tests {
         let mut bytes = std::fs::read(path).unwrap();
         let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
         f(&mut h);
+        // A version patched across 2 -> 3 changes the order records' length.
+        h.header_len =
+            Header::byte_len(h.version, h.orders.len(), h.sections.len(), h.source.len()) as u32;
         let hb = h.to_bytes();
         bytes[..hb.len()].copy_from_slice(&hb);
         std::fs::write(path, bytes).unwrap();
@@ -1836,6 +2060,20 @@ mod tests {
                 Box::new(|h| h.orders[1].bucket_width = h.orders[1].child_width + 1),
             ),
             ("imply", Box::new(|h| h.bucket_stride = 1000)),
+            (
+                "count code width",
+                Box::new(|h| h.orders[1].count_width = 0),
+            ),
+            (
+                "count code width",
+                Box::new(|h| h.orders[2].count_width = 17),
+            ),
+            (
+                "escaped counts",
+                Box::new(|h| h.orders[2].count_escapes = 1000),
+            ),
+            // A version-2 reading of a version-3 file expects count ranks.
+            ("count rank width", Box::new(|h| h.version = 2)),
         ];
         for (want, f) in cases {
             let p = dir.path().join("x.ngram");
@@ -2079,20 +2317,122 @@ mod tests {
         assert_eq!(m.info().format_version, 1);
         assert!(m.info().sections.iter().all(|s| s.kind != "child-buckets"));
         check_against(&m, &c, &contexts_of(&c));
-        // A version this build does not know is refused by name.
-        patch_header(&path, |h| h.version = 3);
+        // A version this build does not know is refused by name, with what to do.
+        patch_header(&path, |h| h.version = VERSION + 1);
         let err = NGramModel::open(&path).unwrap_err();
         assert!(
             matches!(
                 err,
                 NGramError::UnsupportedVersion {
-                    found: 3,
-                    supported: 2,
+                    found: 4,
+                    min: 1,
+                    max: 3,
                     ..
                 }
             ),
             "{err}"
         );
+        assert!(err.to_string().contains("newer dart-ngram"), "{err}");
+    }
+
+    /// Version 2 files (count ranks at a fixed width) are read and answer as version 3 does;
+    /// a merge rewrites one as version 3, smaller.
+    #[test]
+    fn version_2_files_are_read_and_merged_into_version_3() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs: Vec<Vec<u32>> = (0..40u32)
+            .map(|d| {
+                (0..200u32)
+                    .map(|i| (i * i + d) % 97 % (1 + i % 29))
+                    .collect()
+            })
+            .collect();
+        let c = count_corpus(&docs, 3, 100, Some(99), 1);
+        let v2 = dir.path().join("v2.ngram");
+        let layout = Layout {
+            version: VERSION_PLAIN_COUNTS,
+            bucket_stride: 8,
+            code_width: None,
+        };
+        c.write_as(&v2, 4, &layout).unwrap();
+        let m = NGramModel::open_with(
+            &v2,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(m.info().format_version, 2);
+        assert!(m.info().sections.iter().any(|s| s.kind == "count-ranks"));
+        check_against(&m, &c, &contexts_of(&c));
+        let v3 = dir.path().join("v3.ngram");
+        crate::merge_models(&[&v2], &v3, &crate::MergeOptions::default()).unwrap();
+        let m3 = NGramModel::open_with(
+            &v3,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(m3.info().format_version, 3);
+        let kinds: Vec<&str> = m3.info().sections.iter().map(|s| s.kind).collect();
+        assert!(kinds.contains(&"count-codes") && !kinds.contains(&"count-ranks"));
+        check_against(&m3, &c, &contexts_of(&c));
+        assert!(m3.bytes() < m.bytes(), "{} vs {}", m3.bytes(), m.bytes());
+    }
+
+    /// A count-code block whose escape base points past the escapes: an error at query time
+    /// (never a panic) and in verify; a base that is merely wrong is caught by verify.
+    #[test]
+    fn corrupt_count_codes_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (small, c) = small_model(dir.path());
+        let path = dir.path().join("coded.ngram");
+        // One-bit codes: every count above the smallest escapes.
+        let layout = Layout {
+            version: VERSION,
+            bucket_stride: 1,
+            code_width: Some(1),
+        };
+        c.write_as(&path, 2, &layout).unwrap();
+        let m = NGramModel::open_with(
+            &path,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        check_against(&m, &c, &contexts_of(&c));
+        assert!(m.header.orders[1].count_escapes > 0);
+        assert!(m.bytes() != std::fs::metadata(&small).unwrap().len());
+        let s = *m.header.section(SectionKind::CountCodes, 2).unwrap();
+        drop(m);
+        for (base, want) in [(1000u64, "escape"), (1, "escapes before it")] {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let at = s.offset as usize;
+            bytes[at..at + 8].copy_from_slice(&base.to_le_bytes());
+            let bad = dir.path().join("bad.ngram");
+            std::fs::write(&bad, &bytes).unwrap();
+            assert!(NGramModel::open(&bad).is_err(), "stale checksum");
+            rechecksum(&bad);
+            let m = NGramModel::open(&bad).unwrap();
+            let err = m.verify().unwrap_err();
+            assert!(err.to_string().contains(want), "{err}");
+            if base == 1000 {
+                // [1, 2] was seen 5 times: an escaped count.
+                let err = m.count(&[1, 2]).unwrap_err();
+                assert!(
+                    matches!(err, NGramError::Corrupt { .. }) && err.to_string().contains("escape"),
+                    "{err}"
+                );
+                let err = m.prob(&[1], 2).unwrap_err();
+                assert!(err.to_string().contains("escape"), "{err}");
+            }
+            exercise(&m);
+        }
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::path::Path;
 use crate::error::Result;
 use crate::key;
 use crate::writer::{
-    write_model, write_model_with_stride, CountStream, ModelMeta, WriteOptions, WriteReport,
+    write_model, write_model_as, write_model_with_stride, CountStream, Layout, ModelMeta,
+    WriteOptions, WriteReport,
 };
 
 #[derive(Clone, Debug)]
@@ -119,6 +120,18 @@ impl Counts {
             self.streams(),
             &WriteOptions { top_list_len },
             bucket_stride,
+        )
+    }
+
+    /// [`Self::write`] in `layout` (an older format version, a forced count-code width).
+    pub fn write_as(&self, path: &Path, top_list_len: u32, layout: &Layout) -> Result<WriteReport> {
+        write_model_as(
+            path,
+            &self.meta(),
+            &self.uni,
+            self.streams(),
+            &WriteOptions { top_list_len },
+            layout,
         )
     }
 

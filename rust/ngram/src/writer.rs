@@ -18,10 +18,12 @@ use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::bits::{width_for, PackedWriter};
+use crate::bits::{
+    best_code_width, code_of, escape_code, escape_width, width_for, CodedWriter, PackedWriter,
+};
 use crate::error::{NGramError, Result};
 use crate::format::{
     BucketSlice, Header, OrderRecord, Section, SectionKind, DEFAULT_BUCKET_STRIDE,
@@ -126,10 +128,55 @@ pub(crate) fn write_model_with_stride(
     opts: &WriteOptions,
     bucket_stride: u32,
 ) -> Result<WriteReport> {
+    let layout = Layout {
+        version: if bucket_stride == 0 {
+            MIN_VERSION
+        } else {
+            VERSION
+        },
+        bucket_stride,
+        code_width: None,
+    };
+    write_model_as(path, meta, unigrams, higher, opts, &layout)
+}
+
+/// The format a file is written in; tests write older versions, and force code widths to
+/// reach the escapes in small models.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    /// 1 (no buckets: `bucket_stride` 0), 2 (count ranks at a fixed width) or 3 (count codes).
+    pub version: u32,
+    pub bucket_stride: u32,
+    /// Version 3: this code width for every order instead of the smallest file's.
+    pub code_width: Option<u32>,
+}
+
+/// [`write_model`] in the given layout.
+pub(crate) fn write_model_as(
+    path: &Path,
+    meta: &ModelMeta,
+    unigrams: &[u64],
+    higher: Vec<CountStream<'_>>,
+    opts: &WriteOptions,
+    layout: &Layout,
+) -> Result<WriteReport> {
+    let Layout {
+        version,
+        bucket_stride,
+        code_width,
+    } = *layout;
     let bad = |detail: String| {
         NGramError::InvalidArgument(format!("writing {}: {detail}", path.display()))
     };
     key::check_order_fits(meta.order, meta.vocab_size).map_err(|e| bad(e.to_string()))?;
+    if !(MIN_VERSION..=VERSION).contains(&version)
+        || (version == MIN_VERSION) != (bucket_stride == 0)
+    {
+        return Err(bad(format!(
+            "format version {version} with bucket stride {bucket_stride} (version 1 has no \
+             buckets, versions 2 and 3 need them)"
+        )));
+    }
     if higher.len() + 1 != meta.order {
         return Err(bad(format!(
             "order {} needs {} streams of orders 2..={}, got {}",
@@ -204,11 +251,20 @@ pub(crate) fn write_model_with_stride(
         } else {
             spool.levels[n - 2].entries
         };
-        let (count_values, count_width) = if n == 1 {
-            (0, width_for(max_uni))
+        let (count_values, count_width, count_escapes) = if n == 1 {
+            (0, width_for(max_uni), 0)
         } else {
-            let t = spool.levels[n - 2].table.len() as u64;
-            (t, width_for(t.saturating_sub(1)))
+            let level = &spool.levels[n - 2];
+            let t = level.table.len() as u64;
+            if version >= VERSION {
+                let (w, escapes) = match code_width {
+                    Some(w) => (w, level.freq.iter().skip(escape_code(w) as usize).sum()),
+                    None => best_code_width(&level.freq),
+                };
+                (t, w, escapes)
+            } else {
+                (t, width_for(t.saturating_sub(1)), 0)
+            }
         };
         let (child_width, top_contexts, top_rel_width, bucket_width) = if n < n_max {
             let child = &spool.levels[n - 1];
@@ -240,6 +296,7 @@ pub(crate) fn write_model_with_stride(
             child_width,
             top_rel_width,
             bucket_width,
+            count_escapes,
         });
     }
     let mut source = meta.source.clone();
@@ -251,11 +308,7 @@ pub(crate) fn write_model_with_stride(
         source.truncate(cut);
     }
     let mut header = Header {
-        version: if bucket_stride == 0 {
-            MIN_VERSION
-        } else {
-            VERSION
-        },
+        version,
         header_len: 0,
         order: n_max as u32,
         vocab_size: meta.vocab_size,
@@ -274,7 +327,7 @@ pub(crate) fn write_model_with_stride(
     let layout = header
         .expected_sections()
         .ok_or_else(|| bad("section sizes overflow 64 bits".into()))?;
-    header.header_len = Header::byte_len(n_max, layout.len(), header.source.len()) as u32;
+    header.header_len = Header::byte_len(version, n_max, layout.len(), header.source.len()) as u32;
 
     crate::scratch::clean_stale(&dir);
     let tmp = crate::scratch::tempfile(&dir, "write")?;
@@ -334,6 +387,8 @@ struct Level {
     raw: File,
     /// Distinct counts, ascending.
     table: Vec<u64>,
+    /// n-grams with each count of `table` (the frequency of each rank).
+    freq: Vec<u64>,
     /// CSR offsets of the parents (order n-1) into this order, `parents + 1` u64 values.
     parent_offsets: File,
     /// Parent ids with a top list (u64 each) and their lists (`top_list_len` u64 each).
@@ -343,6 +398,17 @@ struct Level {
     max_listed_children: u64,
     /// Most children of a parent that has child-bucket entries (bounds their values).
     max_bucketed_children: u64,
+}
+
+impl Level {
+    /// Rank of each distinct count in the table.
+    fn rank_of(&self) -> FxHashMap<u64, u64> {
+        self.table
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c, i as u64))
+            .collect()
+    }
 }
 
 struct Spool<'p> {
@@ -510,7 +576,8 @@ impl Spool<'_> {
             max_bucketed: 0,
             kids: Vec::new(),
         };
-        let mut table: FxHashSet<u64> = FxHashSet::default();
+        // Distinct counts and how many n-grams have each.
+        let mut table: FxHashMap<u64, u64> = FxHashMap::default();
         let mut entries = 0u64;
         // The parent whose children are being read: (index, key, count).
         let mut cur: Option<(u64, u64, u64)> = None;
@@ -620,7 +687,7 @@ impl Spool<'_> {
             }
             sink.kids.push((count, sink.kids.len() as u64));
             self.last_tokens[last as usize] += 1;
-            table.insert(count);
+            *table.entry(count).or_insert(0) += 1;
             w(&mut raw, k).map_err(|e| self.io(e))?;
             w(&mut raw, count).map_err(|e| self.io(e))?;
             entries += 1;
@@ -632,13 +699,15 @@ impl Spool<'_> {
         while parents.next().map_err(|e| self.io(e))?.is_some() {
             w(&mut sink.offs, entries).map_err(|e| self.io(e))?;
         }
-        let mut table: Vec<u64> = table.into_iter().collect();
+        let mut table: Vec<(u64, u64)> = table.into_iter().collect();
         table.sort_unstable();
+        let (table, freq) = table.into_iter().unzip();
         let done = |b: BufWriter<File>| b.into_inner().map_err(|e| e.into_error());
         let level = Level {
             entries,
             raw: done(raw).map_err(|e| self.io(e))?,
             table,
+            freq,
             parent_offsets: done(sink.offs).map_err(|e| self.io(e))?,
             top_contexts: sink.top_contexts,
             top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
@@ -667,6 +736,41 @@ impl Spool<'_> {
                 }
                 p.finish().map_err(io)?;
             }
+            SectionKind::CountCodes | SectionKind::CountEscapes => {
+                let level = &self.levels[n - 2];
+                let rank = level.rank_of();
+                let mut r = rewind(&level.raw).map_err(io)?;
+                let width = rec.count_width;
+                let mut escapes = 0u64;
+                if kind == SectionKind::CountCodes {
+                    let mut p = CodedWriter::new(out, width);
+                    for _ in 0..level.entries {
+                        let (_, c) = read_pair(&mut r).map_err(io)?;
+                        p.push(rank[&c]).map_err(io)?;
+                    }
+                    escapes = p.finish().map_err(io)?.2;
+                } else {
+                    let ew = escape_width(rec.count_values, width);
+                    let mut p = PackedWriter::new(out, ew);
+                    for _ in 0..level.entries {
+                        let (_, c) = read_pair(&mut r).map_err(io)?;
+                        if let (_, Some(e)) = code_of(rank[&c], width) {
+                            p.push(e).map_err(io)?;
+                            escapes += 1;
+                        }
+                    }
+                    p.finish().map_err(io)?;
+                }
+                if escapes != rec.count_escapes {
+                    return Err(NGramError::Corrupt {
+                        path: self.path.to_path_buf(),
+                        detail: format!(
+                            "internal: order {n} has {escapes} escaped counts, {} were planned",
+                            rec.count_escapes
+                        ),
+                    });
+                }
+            }
             SectionKind::Tokens | SectionKind::CountRanks => {
                 let level = &self.levels[n - 2];
                 let mut r = rewind(&level.raw).map_err(io)?;
@@ -679,12 +783,7 @@ impl Spool<'_> {
                     }
                     p.finish().map_err(io)?;
                 } else {
-                    let rank: FxHashMap<u64, u64> = level
-                        .table
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &c)| (c, i as u64))
-                        .collect();
+                    let rank = level.rank_of();
                     let mut p = PackedWriter::new(out, rec.count_width);
                     for _ in 0..level.entries {
                         let (_, c) = read_pair(&mut r).map_err(io)?;
