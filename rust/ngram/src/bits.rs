@@ -733,7 +733,7 @@ mod tests {
             let mut before = 0;
             for (i, &v) in values.iter().enumerate() {
                 let i = i as u64;
-                if i % codes_per_block(width) == 0 {
+                if i.is_multiple_of(codes_per_block(width)) {
                     prop_assert_eq!(c.block_base(i / codes_per_block(width)), before);
                 }
                 before += u64::from(v >= escape_code(width));
