@@ -1687,6 +1687,18 @@ mod tests {
     use crate::writer::Layout;
     use proptest::prelude::*;
 
+    /// `path` opened with every check of `verify` (what each format test reads through).
+    fn open_verified(path: &Path) -> NGramModel {
+        NGramModel::open_with(
+            path,
+            &OpenOptions {
+                verify: true,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
     fn corpus() -> impl Strategy<Value = (Vec<Vec<u32>>, u32)> {
         (2u32..24).prop_flat_map(|vocab| {
             (
@@ -1793,7 +1805,7 @@ mod tests {
             };
             let layout = Layout { version, bucket_stride: stride, code_width };
             let report = c.write_as(&path, top, &layout).unwrap();
-            let mut m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            let mut m = open_verified(&path);
             m.small_context = small_context;
             prop_assert_eq!(report.bytes, m.bytes());
             prop_assert_eq!(m.info().format_version, version);
@@ -1824,7 +1836,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
             c.write_with_stride(&path, 4, stride).unwrap();
-            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            let m = open_verified(&path);
             let cands: Vec<u32> = (0..150).rev().collect();
             let (mut p, mut k) = (vec![0f32; 150], vec![0u8; 150]);
             let mut ctxs: Vec<Vec<u32>> = c.grams.keys().filter(|g| g.len() == 2).take(40).cloned().collect();
@@ -1858,7 +1870,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("m.ngram");
             c.write_with_stride(&path, 4, stride).unwrap();
-            let m = NGramModel::open_with(&path, &OpenOptions { verify: true, ..Default::default() }).unwrap();
+            let m = open_verified(&path);
             prop_assert_eq!(m.header.token_bits, 16);
             let mut cands: Vec<u32> = (0..140).map(id).collect();
             cands.extend([0, 1, vocab - 2, vocab - 1, 40000 % vocab]);
@@ -2306,14 +2318,7 @@ mod tests {
     fn version_1_files_are_read() {
         let dir = tempfile::tempdir().unwrap();
         let (path, c) = small_model_with(dir.path(), 0);
-        let m = NGramModel::open_with(
-            &path,
-            &OpenOptions {
-                verify: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let m = open_verified(&path);
         assert_eq!(m.info().format_version, 1);
         assert!(m.info().sections.iter().all(|s| s.kind != "child-buckets"));
         check_against(&m, &c, &contexts_of(&c));
@@ -2355,27 +2360,13 @@ mod tests {
             code_width: None,
         };
         c.write_as(&v2, 4, &layout).unwrap();
-        let m = NGramModel::open_with(
-            &v2,
-            &OpenOptions {
-                verify: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let m = open_verified(&v2);
         assert_eq!(m.info().format_version, 2);
         assert!(m.info().sections.iter().any(|s| s.kind == "count-ranks"));
         check_against(&m, &c, &contexts_of(&c));
         let v3 = dir.path().join("v3.ngram");
         crate::merge_models(&[&v2], &v3, &crate::MergeOptions::default()).unwrap();
-        let m3 = NGramModel::open_with(
-            &v3,
-            &OpenOptions {
-                verify: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let m3 = open_verified(&v3);
         assert_eq!(m3.info().format_version, 3);
         let kinds: Vec<&str> = m3.info().sections.iter().map(|s| s.kind).collect();
         assert!(kinds.contains(&"count-codes") && !kinds.contains(&"count-ranks"));
@@ -2397,14 +2388,7 @@ mod tests {
             code_width: Some(1),
         };
         c.write_as(&path, 2, &layout).unwrap();
-        let m = NGramModel::open_with(
-            &path,
-            &OpenOptions {
-                verify: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let m = open_verified(&path);
         check_against(&m, &c, &contexts_of(&c));
         assert!(m.header.orders[1].count_escapes > 0);
         assert!(m.bytes() != std::fs::metadata(&small).unwrap().len());
