@@ -120,10 +120,7 @@ class TreeBudgetTuning:
         raise KeyError(budget)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for point, raw in zip(self.curve, out["curve"], strict=True):
-            raw["step_ms"] = point.step_ms
-        return out
+        return _as_dict(self)
 
     def table(self) -> str:
         """The curve as a Markdown table (the chosen budget marked)."""
@@ -145,6 +142,14 @@ class TreeBudgetTuning:
             f"{self.calibration_prompts} prompts; tuned in {self.seconds:.1f} s."
         )
         return "\n".join(lines)
+
+
+def _as_dict(tuning: Any) -> dict[str, Any]:
+    """A tuning dataclass as JSON-ready data, each curve point with its ``step_ms``."""
+    out = asdict(tuning)
+    for point, raw in zip(tuning.curve, out["curve"], strict=True):
+        raw["step_ms"] = point.step_ms
+    return out
 
 
 def autotune(
@@ -683,10 +688,7 @@ class Eagle3TreeTuning:
         return Eagle3TreeConfig(top_k=k, depth=d, total_tokens=t)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for point, raw in zip(self.curve, out["curve"], strict=True):
-            raw["step_ms"] = point.step_ms
-        return out
+        return _as_dict(self)
 
     def table(self, rows: int | None = None) -> str:
         return eagle3_tuning_table(self.to_dict(), rows)
