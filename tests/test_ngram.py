@@ -366,11 +366,15 @@ def test_random_corpora_match_the_counter(
 
 
 def test_open_advice_changes_no_answer(tmp_path: Path) -> None:
-    """``random_access`` (MADV_RANDOM) and ``huge_pages`` are advice to the kernel about
-    paging: the answers are those of a plain open."""
+    """``random_access`` (MADV_RANDOM), ``huge_pages`` and ``prefetch`` (a background read)
+    are advice to the kernel about paging: the answers are those of a plain open."""
     path, counts = write(tmp_path, DOCS, 3, 8)
     plain = NGram.open(path)
-    for advised in (NGram.open(path, random_access=True), NGram.open(path, huge_pages=True)):
+    for advised in (
+        NGram.open(path, random_access=True),
+        NGram.open(path, huge_pages=True),
+        NGram.open(path, prefetch=True, random_access=True),
+    ):
         for gram, n in counts.items():
             assert advised.count(list(gram)) == n
         for ctx in ([1], [1, 2], [2, 3]):

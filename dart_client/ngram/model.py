@@ -61,6 +61,7 @@ class NGram(_native.NGram):
         in_memory: bool = False,
         checksums: bool = True,
         random_access: bool = False,
+        prefetch: bool = False,
     ) -> NGram:
         """Maps a model file and checks it: header, section table and every section's
         checksum (one read of the file; ``checksums=False`` checks only the header, the section
@@ -72,7 +73,10 @@ class NGram(_native.NGram):
         anonymous memory on huge pages instead of mapping it (RAM for the whole model; random
         lookups then rarely miss the TLB, which makes a prune faster when caches are cold);
         ``random_access`` advises the kernel that page faults should read only their page
-        (``MADV_RANDOM``), for models much larger than RAM or queried cold.
+        (``MADV_RANDOM``), for models much larger than RAM or queried cold; ``prefetch``
+        starts reading the file into the page cache in the background and returns at once
+        (the non-blocking ``populate``: queries wait on the disk only until it reaches their
+        pages).
         """
         return cls(
             os.fspath(path),
@@ -83,6 +87,7 @@ class NGram(_native.NGram):
             in_memory=in_memory,
             checksums=checksums,
             random_access=random_access,
+            prefetch=prefetch,
         )
 
     def prob(

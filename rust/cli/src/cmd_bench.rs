@@ -13,14 +13,21 @@
 //!   lines come from DRAM, its pages need no fault);
 //! * **repeat**: the same lookups again (lines may now be in the CPU caches);
 //! * **cold** (`--cold`): before each timed lookup the model's pages are dropped from this
-//!   process and from the page cache (`NGramModel::evict_pages`), so it reads from disk as a
-//!   fresh process on a cold machine would.
+//!   process and from the page cache, then the small sections every open reads are read again
+//!   (`NGramModel::evict_pages`): the lookup reads from disk as the first one of a fresh
+//!   process on a cold machine would;
+//! * **cold mapping** (`--cold-mapping`): the same with the page cache kept: the lookup's
+//!   pages are minor faults, as in a fresh process (a restarted daemon, a new worker) on a
+//!   host that has read the file recently;
+//! * **prefetch** (`--prefetch`): the page cache is dropped, the model opened with
+//!   `OpenOptions::prefetch` and lookups timed at once, while the background read-ahead runs
+//!   (a cold start that serves at once), and the time until the file is resident.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use dart_ngram::{NGramModel, OpenOptions};
+use dart_ngram::{Eviction, NGramModel, OpenOptions};
 use dart_pruner::workload::{draft_requests, walk_documents, OwnedRequest, Rng};
 use dart_pruner::{Pruner, PrunerConfig};
 use serde::Serialize;
@@ -37,6 +44,15 @@ pub struct Args {
     /// Also time lookups and prunes with the pages evicted before each (this many of each).
     #[arg(long)]
     pub cold: bool,
+    /// Also time lookups and prunes with only this process's mapping of the pages dropped
+    /// before each (the page cache kept).
+    #[arg(long)]
+    pub cold_mapping: bool,
+    /// Also time a cold start with `prefetch`: lookups right after the open, and how long the
+    /// background read-ahead takes to make the whole file resident.
+    #[arg(long)]
+    pub prefetch: bool,
+    /// Lookups and prunes timed per cold figure.
     #[arg(long, default_value_t = 200)]
     pub cold_queries: usize,
     /// Check every section's checksum at open (reads the whole file); default: the small
@@ -50,7 +66,7 @@ pub struct Args {
     #[arg(long)]
     pub huge_pages: bool,
     /// Copy the model into anonymous memory on huge pages (no cold figures then).
-    #[arg(long, conflicts_with = "cold")]
+    #[arg(long, conflicts_with_all = ["cold", "cold_mapping", "prefetch"])]
     pub in_memory: bool,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
@@ -69,13 +85,51 @@ pub struct Timing {
     pub p50_us: f64,
     pub p99_us: f64,
     pub mean_us: f64,
+    /// Page faults per timed call, mean: minor (page in the page cache, not mapped) and
+    /// major (read from disk).
+    pub minor_faults: f64,
+    pub major_faults: f64,
+}
+
+/// One timed call: microseconds and the page faults it took.
+struct Sample {
+    us: f64,
+    minor: u64,
+    major: u64,
+}
+
+/// This thread's page faults so far (minor, major).
+fn thread_faults() -> (u64, u64) {
+    // SAFETY: getrusage writes the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+    (u.ru_minflt as u64, u.ru_majflt as u64)
+}
+
+/// Times `f`, counting its page faults outside the timed span.
+fn sample<T>(f: impl FnOnce() -> T) -> (Sample, T) {
+    let (minor, major) = thread_faults();
+    let start = Instant::now();
+    let out = f();
+    let us = micros(start);
+    let (minor2, major2) = thread_faults();
+    let s = Sample {
+        us,
+        minor: minor2 - minor,
+        major: major2 - major,
+    };
+    (s, out)
 }
 
 impl Timing {
-    fn of(mut t: Vec<f64>) -> Option<Timing> {
-        if t.is_empty() {
+    fn of(samples: Vec<Sample>) -> Option<Timing> {
+        if samples.is_empty() {
             return None;
         }
+        let n = samples.len() as f64;
+        let minor_faults = samples.iter().map(|s| s.minor as f64).sum::<f64>() / n;
+        let major_faults = samples.iter().map(|s| s.major as f64).sum::<f64>() / n;
+        let mut t: Vec<f64> = samples.iter().map(|s| s.us).collect();
         t.sort_by(f64::total_cmp);
         let q = |f: f64| t[((t.len() - 1) as f64 * f).round() as usize];
         Some(Timing {
@@ -83,6 +137,8 @@ impl Timing {
             p50_us: q(0.5),
             p99_us: q(0.99),
             mean_us: t.iter().sum::<f64>() / t.len() as f64,
+            minor_faults,
+            major_faults,
         })
     }
 }
@@ -101,9 +157,16 @@ pub struct BenchReport {
     pub prob25_warm: Option<Timing>,
     pub prob25_repeat: Option<Timing>,
     pub prob25_cold: Option<Timing>,
+    pub prob25_cold_mapping: Option<Timing>,
     pub prune60_warm: Option<Timing>,
     pub prune60_repeat: Option<Timing>,
     pub prune60_cold: Option<Timing>,
+    pub prune60_cold_mapping: Option<Timing>,
+    /// `--prefetch`: the open, lookups timed right after it (page cache dropped first), and
+    /// seconds from the open until every page of the file was resident.
+    pub open_ms_prefetch: Option<f64>,
+    pub prob25_prefetching: Option<Timing>,
+    pub prefetch_seconds: Option<f64>,
     /// Resident memory of this process after the warm figures (`VmRSS`, `RssFile`, kB).
     pub rss_kb: Option<u64>,
     pub rss_file_kb: Option<u64>,
@@ -158,18 +221,18 @@ fn lookups(requests: &[OwnedRequest]) -> Vec<Lookup> {
 fn time_lookups(
     m: &NGramModel,
     ls: &[Lookup],
-    evict: bool,
-) -> Result<Vec<f64>, dart_ngram::NGramError> {
+    evict: Option<Eviction>,
+) -> Result<Vec<Sample>, dart_ngram::NGramError> {
     let mut probs = vec![0f32; K];
     let mut matched = vec![0u8; K];
     let mut t = Vec::with_capacity(ls.len());
     for l in ls {
-        if evict {
-            m.evict_pages()?;
+        if let Some(e) = evict {
+            m.evict_pages(e)?;
         }
-        let start = Instant::now();
-        m.prob_many(&l.context, &l.candidates, &mut probs, &mut matched)?;
-        t.push(micros(start));
+        let (s, out) = sample(|| m.prob_many(&l.context, &l.candidates, &mut probs, &mut matched));
+        out?;
+        t.push(s);
         std::hint::black_box(&probs);
     }
     Ok(t)
@@ -179,17 +242,17 @@ fn time_prunes(
     m: &NGramModel,
     pruner: &Pruner<Arc<NGramModel>>,
     rs: &[OwnedRequest],
-    evict: bool,
-) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+    evict: Option<Eviction>,
+) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     let mut t = Vec::with_capacity(rs.len());
     for r in rs {
-        if evict {
-            m.evict_pages()?;
+        if let Some(e) = evict {
+            m.evict_pages(e)?;
         }
-        let start = Instant::now();
-        let tree = pruner.prune(&r.request())?;
-        t.push(micros(start));
-        std::hint::black_box(tree);
+        // A single request is pruned on this thread: its faults are this thread's.
+        let (s, tree) = sample(|| pruner.prune(&r.request()));
+        t.push(s);
+        std::hint::black_box(tree?);
     }
     Ok(t)
 }
@@ -234,14 +297,19 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         prob25_warm: None,
         prob25_repeat: None,
         prob25_cold: None,
+        prob25_cold_mapping: None,
         prune60_warm: None,
         prune60_repeat: None,
         prune60_cold: None,
+        prune60_cold_mapping: None,
+        open_ms_prefetch: None,
+        prob25_prefetching: None,
+        prefetch_seconds: None,
         rss_kb: None,
         rss_file_kb: None,
     };
     if args.cold {
-        NGramModel::open_with(&args.model, &opts)?.evict_pages()?;
+        NGramModel::open_with(&args.model, &opts)?.evict_pages(Eviction::PageCache)?;
         report.open_ms_cold = Some(open_ms()?.0);
     }
     report.warm_up_seconds =
@@ -279,17 +347,59 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // Prunes first (their lookups differ from the rows' lookups only by the path taken), then
     // the lookups: both are first touches of most of their cache lines.
     let (half, rest) = requests.split_at(requests.len() / 2);
-    report.prune60_warm = Timing::of(time_prunes(&model, &pruner, half, false)?);
-    report.prob25_warm = Timing::of(time_lookups(&model, &ls, false)?);
-    report.prob25_repeat = Timing::of(time_lookups(&model, &ls, false)?);
-    report.prune60_repeat = Timing::of(time_prunes(&model, &pruner, half, false)?);
+    report.prune60_warm = Timing::of(time_prunes(&model, &pruner, half, None)?);
+    report.prob25_warm = Timing::of(time_lookups(&model, &ls, None)?);
+    report.prob25_repeat = Timing::of(time_lookups(&model, &ls, None)?);
+    report.prune60_repeat = Timing::of(time_prunes(&model, &pruner, half, None)?);
     report.rss_kb = proc_status_kb("self", "VmRSS");
     report.rss_file_kb = proc_status_kb("self", "RssFile");
+    // Each cold figure takes its own lookups and prunes: none was made before by this
+    // process.
+    let mut cold_ls = ls.chunks(args.cold_queries.max(1));
+    let mut cold_rs = rest.chunks(args.cold_queries.max(1));
+    if args.cold_mapping {
+        let e = Some(Eviction::Mapping);
+        report.prob25_cold_mapping =
+            Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
+        report.prune60_cold_mapping = Timing::of(time_prunes(
+            &model,
+            &pruner,
+            cold_rs.next().unwrap_or(&[]),
+            e,
+        )?);
+    }
     if args.cold {
-        let n = args.cold_queries.min(ls.len());
-        report.prob25_cold = Timing::of(time_lookups(&model, &ls[..n], true)?);
-        let n = args.cold_queries.min(rest.len());
-        report.prune60_cold = Timing::of(time_prunes(&model, &pruner, &rest[..n], true)?);
+        let e = Some(Eviction::PageCache);
+        report.prob25_cold = Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
+        report.prune60_cold = Timing::of(time_prunes(
+            &model,
+            &pruner,
+            cold_rs.next().unwrap_or(&[]),
+            e,
+        )?);
+    }
+    if args.prefetch && !args.in_memory {
+        model.evict_pages(Eviction::PageCache)?;
+        drop(pruner);
+        drop(model);
+        let start = Instant::now();
+        let model = NGramModel::open_with(
+            &args.model,
+            &OpenOptions {
+                prefetch: true,
+                ..opts.clone()
+            },
+        )?;
+        report.open_ms_prefetch = Some(start.elapsed().as_secs_f64() * 1e3);
+        report.prob25_prefetching =
+            Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), None)?);
+        while model.resident_bytes()? < model.bytes() {
+            if start.elapsed().as_secs() > 3600 {
+                return Err("the prefetch did not make the file resident within an hour".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        report.prefetch_seconds = Some(start.elapsed().as_secs_f64());
     }
     if args.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -312,20 +422,40 @@ fn summary(r: &BenchReport) -> String {
     }
     let _ = writeln!(s, "warm-up read     {:.1} s", r.warm_up_seconds);
     for (name, t) in [
-        ("P(c|ctx) x25 warm  ", &r.prob25_warm),
+        ("P(c|ctx) x25 warm", &r.prob25_warm),
         ("P(c|ctx) x25 repeat", &r.prob25_repeat),
-        ("P(c|ctx) x25 cold  ", &r.prob25_cold),
-        ("prune 60 warm      ", &r.prune60_warm),
-        ("prune 60 repeat    ", &r.prune60_repeat),
-        ("prune 60 cold      ", &r.prune60_cold),
+        ("P(c|ctx) x25 cold", &r.prob25_cold),
+        ("P(c|ctx) x25 cold mapping", &r.prob25_cold_mapping),
+        ("P(c|ctx) x25 while prefetching", &r.prob25_prefetching),
+        ("prune 60 warm", &r.prune60_warm),
+        ("prune 60 repeat", &r.prune60_repeat),
+        ("prune 60 cold", &r.prune60_cold),
+        ("prune 60 cold mapping", &r.prune60_cold_mapping),
     ] {
         if let Some(t) = t {
             let _ = writeln!(
                 s,
-                "{name} p50 {:9.2} us  p99 {:9.2} us  mean {:9.2} us  (n = {})",
-                t.p50_us, t.p99_us, t.mean_us, t.n
+                "{name:<30} p50 {:9.2} us  p99 {:9.2} us  mean {:9.2} us  (n = {}){}",
+                t.p50_us,
+                t.p99_us,
+                t.mean_us,
+                t.n,
+                if t.minor_faults + t.major_faults > 0.0 {
+                    format!(
+                        ", faults {:.1} minor + {:.1} major",
+                        t.minor_faults, t.major_faults
+                    )
+                } else {
+                    String::new()
+                }
             );
         }
+    }
+    if let (Some(o), Some(p)) = (r.open_ms_prefetch, r.prefetch_seconds) {
+        let _ = writeln!(
+            s,
+            "prefetch         open {o:.2} ms, whole file resident after {p:.2} s"
+        );
     }
     if let (Some(a), Some(b)) = (r.rss_kb, r.rss_file_kb) {
         let _ = writeln!(s, "rss              {a} kB ({b} kB of file pages)");

@@ -53,6 +53,10 @@ pub struct Args {
     /// Read the whole model into the page cache at start (MAP_POPULATE).
     #[arg(long)]
     populate: bool,
+    /// Read the model into the page cache in the background and serve at once (the
+    /// non-blocking --populate: requests wait on the disk only until its pages are read).
+    #[arg(long, conflicts_with_all = ["populate", "in_memory"])]
+    prefetch: bool,
     /// Lock the model's pages in RAM (mlock; needs LimitMEMLOCK / CAP_IPC_LOCK).
     #[arg(long)]
     lock: bool,
@@ -184,6 +188,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         open: OpenOptions {
             verify: args.verify,
             populate: args.populate,
+            prefetch: args.prefetch,
             lock: args.lock,
             huge_pages: args.huge_pages,
             in_memory: args.in_memory,

@@ -85,6 +85,8 @@ fn synth_build_info_sections_and_bench() {
         "--requests",
         "20",
         "--cold",
+        "--cold-mapping",
+        "--prefetch",
         "--cold-queries",
         "5",
         "--json",
@@ -107,6 +109,16 @@ fn synth_build_info_sections_and_bench() {
     assert_eq!(r["prob25_cold"]["n"].as_u64(), Some(5), "{out}");
     assert_eq!(r["prune60_cold"]["n"].as_u64(), Some(5), "{out}");
     assert!(r["open_ms_cold"].as_f64().is_some(), "{out}");
+    // With only the mapping dropped, a lookup's pages are minor faults, and none is read
+    // from disk.
+    for key in ["prob25_cold_mapping", "prune60_cold_mapping"] {
+        assert_eq!(r[key]["n"].as_u64(), Some(5), "{key}: {out}");
+        assert!(r[key]["minor_faults"].as_f64().unwrap() > 0.0, "{key}: {out}");
+        assert_eq!(r[key]["major_faults"].as_f64(), Some(0.0), "{key}: {out}");
+    }
+    assert_eq!(r["prob25_prefetching"]["n"].as_u64(), Some(5), "{out}");
+    assert!(r["prefetch_seconds"].as_f64().unwrap() >= 0.0, "{out}");
+    assert!(r["open_ms_prefetch"].as_f64().is_some(), "{out}");
 
     let (ok, _, err) = run(&["bench", dir.path().join("missing.ngram").to_str().unwrap()]);
     assert!(!ok && err.contains("missing.ngram"), "{err}");

@@ -120,6 +120,7 @@ pub fn run(config: DaemonConfig) -> Result<()> {
         total_ngrams = info.total_ngrams,
         bytes = info.bytes,
         populate = config.open.populate,
+        prefetch = config.open.prefetch,
         lock = config.open.lock,
         in_memory = config.open.in_memory,
         open_ms = started.elapsed().as_secs_f64() * 1e3,

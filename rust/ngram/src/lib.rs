@@ -38,5 +38,5 @@ mod testutil;
 
 pub use error::{NGramError, Result};
 pub use merge::{merge_models, MergeOptions};
-pub use model::{Info, Integrity, NGramModel, OpenOptions};
+pub use model::{Eviction, Info, Integrity, NGramModel, OpenOptions};
 pub use writer::{write_model, CountStream, ModelMeta, WriteOptions, WriteReport};

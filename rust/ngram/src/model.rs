@@ -13,6 +13,8 @@
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use memmap2::{Advice, Mmap, MmapOptions};
 use serde::Serialize;
@@ -35,6 +37,11 @@ pub struct OpenOptions {
     pub skip_checksums: bool,
     /// Read the whole file into the page cache now (`MAP_POPULATE`) instead of on first touch.
     pub populate: bool,
+    /// Ask the kernel to read the whole file into the page cache in the background
+    /// (`POSIX_FADV_WILLNEED` from a thread) and return at once: queries are served right
+    /// away, and each waits on the disk only until the read-ahead has reached its pages. The
+    /// non-blocking counterpart of `populate`, for a cold start of a large model.
+    pub prefetch: bool,
     /// Pin the pages in RAM (`mlock`); needs `RLIMIT_MEMLOCK` to allow it.
     pub lock: bool,
     /// Advise transparent huge pages for the mapping (`MADV_HUGEPAGE`); best effort.
@@ -47,6 +54,18 @@ pub struct OpenOptions {
     /// its page instead of the kernel's read-around window (128 KB by default), which helps
     /// queries into a model much larger than RAM or with cold pages, and hurts scans.
     pub random_access: bool,
+}
+
+/// What [`NGramModel::evict_pages`] drops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Eviction {
+    /// This process's page-table entries only: the next touches are minor faults on pages
+    /// still in the page cache, as in a fresh process (a restarted daemon, a new worker) on a
+    /// host that has read the file recently.
+    Mapping,
+    /// Besides, the file's pages in the page cache: the next touches read from disk, as in a
+    /// fresh process on a cold host.
+    PageCache,
 }
 
 /// How much of a file open checked (see [`OpenOptions`] and `docs/ngram-format.md`).
@@ -339,7 +358,10 @@ pub struct SectionInfo {
 /// An n-gram model mapped from a file. `Send + Sync`: share it behind an `Arc`.
 pub struct NGramModel {
     path: PathBuf,
-    map: Mmap,
+    /// Shared with a `prefetch` thread, which must not outlive the mapping it populates.
+    map: Arc<Mmap>,
+    /// Set on drop: tells a running `prefetch` thread to stop.
+    prefetch_stop: Arc<AtomicBool>,
     header: Header,
     levels: Vec<Level>,
     /// Version 2: byte offset of the token keys (`vocab_size` u32 LE).
@@ -364,6 +386,12 @@ impl std::fmt::Debug for NGramModel {
     }
 }
 
+impl Drop for NGramModel {
+    fn drop(&mut self) {
+        self.prefetch_stop.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The whole file in a read-only anonymous mapping, advised huge pages before it is touched.
 fn read_into_anonymous(mut file: &File, len: u64) -> std::io::Result<Mmap> {
     let len = usize::try_from(len).map_err(|_| std::io::Error::other("file too large"))?;
@@ -372,6 +400,37 @@ fn read_into_anonymous(mut file: &File, len: u64) -> std::io::Result<Mmap> {
     let _ = anon.advise(Advice::HugePage);
     file.read_exact(&mut anon[..])?;
     anon.make_read_only()
+}
+
+/// Reads `file` into the page cache and maps it into this process, from a detached thread,
+/// a step at a time: a plain sequential read, which the kernel's read-ahead streams at disk
+/// speed (`POSIX_FADV_WILLNEED` would be the obvious call, but Linux caps each one at the
+/// read-ahead window), then `MADV_POPULATE_READ` on the step, so that queries find its pages
+/// mapped (no minor faults either). Stops when `stop` is set (the model was dropped).
+fn prefetch_in_background(file: File, map: Arc<Mmap>, stop: Arc<AtomicBool>) {
+    use std::os::unix::fs::FileExt;
+    const STEP: usize = 4 << 20;
+    let spawned = std::thread::Builder::new()
+        .name("ngram-prefetch".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; STEP];
+            let mut at = 0usize;
+            // Best effort: a read error just ends it (queries fault their pages in anyway),
+            // and kernels without MADV_POPULATE_READ (before 5.14) still get the read.
+            let mut populate = true;
+            while at < map.len() && !stop.load(Ordering::Relaxed) {
+                let n = STEP.min(map.len() - at);
+                if file.read_exact_at(&mut buf[..n], at as u64).is_err() {
+                    break;
+                }
+                if populate {
+                    populate = map.advise_range(Advice::PopulateRead, at, n).is_ok();
+                }
+                at += n;
+            }
+        });
+    // Best effort too: without a thread the pages come in on first touch, as without prefetch.
+    drop(spawned);
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -418,7 +477,8 @@ impl NGramModel {
         let mapped = (!opts.in_memory).then(|| (file, FileStamp::of(&meta)));
         let mut model = NGramModel {
             path: path.to_path_buf(),
-            map,
+            map: Arc::new(map),
+            prefetch_stop: Arc::new(AtomicBool::new(false)),
             header,
             levels: Vec::new(),
             keys: None,
@@ -446,6 +506,15 @@ impl NGramModel {
         if opts.random_access && !opts.in_memory {
             // Best effort, as huge pages.
             let _ = model.map.advise(Advice::Random);
+        }
+        if opts.prefetch && !opts.populate {
+            if let Some((file, _)) = &model.mapped {
+                prefetch_in_background(
+                    file.try_clone().map_err(io)?,
+                    model.map.clone(),
+                    model.prefetch_stop.clone(),
+                );
+            }
         }
         if opts.lock {
             model.map.lock().map_err(io)?;
@@ -684,11 +753,13 @@ impl NGramModel {
     pub fn ngrams_per_order(&self) -> Vec<u64> {
         self.header.orders.iter().map(|r| r.ngrams).collect()
     }
-    /// Drops the model's pages from this process and from the page cache (where nothing else
-    /// maps them), so that the next queries read from disk as in a fresh process on a cold
-    /// machine: `madvise(MADV_DONTNEED)` on the mapping, then `posix_fadvise(DONTNEED)` on
-    /// the file. For benchmarks; an in-memory model has nothing to evict (an error).
-    pub fn evict_pages(&self) -> Result<()> {
+    /// Puts the model's pages back where they are right after a fresh open in a new process:
+    /// drops them from this process (`madvise(MADV_DONTNEED)`) and, with
+    /// [`Eviction::PageCache`], from the page cache (`posix_fadvise(DONTNEED)`, where nothing
+    /// else maps them); then reads again the small sections every open checks (what a fresh
+    /// open would have read). For benchmarks; an in-memory model has nothing to evict (an
+    /// error).
+    pub fn evict_pages(&self, eviction: Eviction) -> Result<()> {
         let Some((file, _)) = &self.mapped else {
             return Err(NGramError::InvalidArgument(
                 "an in-memory model has no file pages to evict".into(),
@@ -703,12 +774,39 @@ impl NGramModel {
         }
         .map_err(io)?;
         use std::os::fd::AsRawFd;
-        // SAFETY: a valid descriptor; the call only drops clean cached pages.
-        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        if rc != 0 {
-            return Err(io(std::io::Error::from_raw_os_error(rc)));
+        if eviction == Eviction::PageCache {
+            // SAFETY: a valid descriptor; the call only drops clean cached pages.
+            let rc =
+                unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            if rc != 0 {
+                return Err(io(std::io::Error::from_raw_os_error(rc)));
+            }
         }
-        Ok(())
+        self.check_sections(always_checked)
+    }
+
+    /// Bytes of the model resident in the page cache (`mincore` over the mapping; an
+    /// in-memory copy is all resident).
+    pub fn resident_bytes(&self) -> Result<u64> {
+        if self.mapped.is_none() {
+            return Ok(self.bytes());
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let mut vec = vec![0u8; self.map.len().div_ceil(page)];
+        // SAFETY: the range is this mapping (page-aligned start), `vec` has one byte per page.
+        let rc = unsafe {
+            libc::mincore(
+                self.map.as_ptr() as *mut libc::c_void,
+                self.map.len(),
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(NGramError::io(&self.path, std::io::Error::last_os_error()));
+        }
+        let pages = vec.iter().filter(|&&b| b & 1 == 1).count();
+        Ok(((pages * page) as u64).min(self.bytes()))
     }
 
     /// File size in bytes.
@@ -2495,16 +2593,40 @@ mod tests {
                 in_memory,
                 skip_checksums: false,
                 random_access: !in_memory,
+                prefetch: false,
             };
             let m = NGramModel::open_with(&path, &opts).unwrap();
             check_against(&m, &c, &contexts_of(&c));
+            // Populated (or copied): every byte is resident.
+            assert_eq!(m.resident_bytes().unwrap(), m.bytes());
             // Evicting the pages changes no answer (they are read again from the file); an
             // in-memory copy has none to evict.
-            match m.evict_pages() {
-                Ok(()) => assert!(!in_memory),
-                Err(e) => assert!(in_memory && e.to_string().contains("in-memory"), "{e}"),
+            for eviction in [Eviction::Mapping, Eviction::PageCache] {
+                match m.evict_pages(eviction) {
+                    Ok(()) => assert!(!in_memory),
+                    Err(e) => assert!(in_memory && e.to_string().contains("in-memory"), "{e}"),
+                }
+                check_against(&m, &c, &contexts_of(&c));
             }
-            check_against(&m, &c, &contexts_of(&c));
+        }
+        // A prefetching open answers at once and the same; the background read-ahead leaves
+        // the whole file resident (the evictions above may have dropped it).
+        let m = NGramModel::open_with(
+            &path,
+            &OpenOptions {
+                prefetch: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        check_against(&m, &c, &contexts_of(&c));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while m.resident_bytes().unwrap() < m.bytes() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "prefetch never finished"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         let m = NGramModel::open(&path).unwrap();
         let info = m.info();

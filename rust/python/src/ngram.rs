@@ -62,7 +62,7 @@ fn json_to_py(py: Python<'_>, v: &impl serde::Serialize) -> PyResult<Py<PyAny>> 
 impl PyNGram {
     #[new]
     #[allow(clippy::too_many_arguments)] // keyword-only options of one constructor
-    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false, checksums=true, random_access=false))]
+    #[pyo3(signature = (path, *, verify=false, populate=false, lock=false, huge_pages=false, in_memory=false, checksums=true, random_access=false, prefetch=false))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -73,6 +73,7 @@ impl PyNGram {
         in_memory: bool,
         checksums: bool,
         random_access: bool,
+        prefetch: bool,
     ) -> PyResult<Self> {
         let opts = OpenOptions {
             verify,
@@ -82,6 +83,7 @@ impl PyNGram {
             in_memory,
             skip_checksums: !checksums,
             random_access,
+            prefetch,
         };
         let model = py
             .detach(|| NGramModel::open_with(&path, &opts))
