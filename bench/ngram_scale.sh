@@ -12,8 +12,8 @@
 # MEMORY (default 4G), THREADS (default 1).
 set -euo pipefail
 WORK=${1:?usage: ngram_scale.sh WORKDIR [TOKENS] [SHARDS] [STAGES...]}
-TOKENS=${2:-3e9}
-SHARDS=${3:-8}
+TOKENS=${2:-3.6e9}
+SHARDS=${3:-10}
 shift $(($# < 3 ? $# : 3))
 STAGES=${*:-synth build merge info bench daemon clean}
 BIN=${DART_NGRAM:-dart-ngram}
@@ -64,7 +64,7 @@ for stage in $STAGES; do
         "$BIN" info --sections "$WORK/merged.ngram" | tee "$WORK/log/info.out"
         ;;
     bench)
-        timed bench "$BIN" bench "$WORK/merged.ngram" --cold --json | tee "$WORK/log/bench.json"
+        timed bench "$BIN" bench "$WORK/merged.ngram" --cold --cold-mapping --prefetch --random-access --json | tee "$WORK/log/bench.json"
         record bench
         ;;
     daemon)
