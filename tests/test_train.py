@@ -25,7 +25,7 @@ from dart_client.data.prompt_response import (
 )
 from dart_client.train.data import TrainingDataError, TrainingSet, windows
 from dart_client.train.forward import training_targets
-from dart_client.train.loss import annealed_kl
+from dart_client.train.loss import RowStats, annealed_kl, distinct_targets
 from dart_client.train.masks import batch_layout, prefix_shared_layout, sample_anchors
 from dart_client.train.trainer import TrainConfig, Trainer, TrainError, lr_factor
 from dart_client.train.vocab import DraftVocabError, build_draft_vocab, token_counts
@@ -227,6 +227,42 @@ def test_annealed_kl_zero_when_equal_and_shape_checked() -> None:
     assert abs(loss.item()) < 1e-12  # softmax is shift-invariant
     with pytest.raises(ValueError, match="same shape"):
         annealed_kl(x, x[:, :6], torch.zeros(5, dtype=torch.long), torch.ones(5), 2, 0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_annealed_kl_on_distinct_targets_equals_one_target_per_line(dtype: torch.dtype) -> None:
+    """Lines sharing a target position (anchors' rows, TTT steps) may pass each distinct
+    target once: the loss, its gradient and the stats are bit for bit those of a copy per line."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 11, 50, generator=g, dtype=dtype)
+    n = 40
+    batch = torch.randint(0, 3, (n,), generator=g)
+    pos = torch.randint(0, 11, (n,), generator=g)
+    rows = torch.randint(0, 4, (n,), generator=g)
+    weights = torch.ones(n, dtype=dtype)
+    draft = torch.randn(n, 50, generator=g, dtype=dtype)
+
+    def run(shared: bool) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
+        d = draft.clone().requires_grad_(True)
+        if shared:
+            target, target_rows = distinct_targets(logits, batch, pos)
+            assert target.shape[0] == len(
+                {(b, p) for b, p in zip(batch.tolist(), pos.tolist(), strict=True)}
+            )
+            loss, stats = annealed_kl(d, target, rows, weights, 4, 0.8, target_rows)
+        else:
+            loss, stats = annealed_kl(d, logits[batch, pos], rows, weights, 4, 0.8)
+        loss.backward()
+        assert d.grad is not None
+        return loss.detach(), d.grad, stats
+
+    (l1, g1, s1), (l2, g2, s2) = run(False), run(True)
+    assert torch.equal(l1, l2) and torch.equal(g1, g2)
+    for a, b in zip(vars(s1).values(), vars(s2).values(), strict=True):
+        assert torch.equal(a, b)
+    target, target_rows = distinct_targets(logits, batch, pos)
+    with pytest.raises(ValueError, match="target rows"):
+        annealed_kl(draft, target, rows, weights, 4, 0.8, target_rows[:-1])
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:

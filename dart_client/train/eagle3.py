@@ -25,7 +25,7 @@ from dart_client.models.eagle3 import Eagle3Head
 from dart_client.models.head import HeadAttention, rotate_half
 from dart_client.models.linear import project
 from dart_client.train.forward import TargetIndex
-from dart_client.train.loss import annealed_kl
+from dart_client.train.loss import annealed_kl, distinct_targets
 from dart_client.train.trainer import Trainer
 
 #: Per-step loss decay of the published EAGLE-3 training.
@@ -133,9 +133,10 @@ def ttt_loss(
     stacked = torch.stack(list(outputs))  # (steps, b, n, H)
     hidden = stacked[index.row, index.batch, index.line]
     draft = head.logits(hidden)
-    target = target_logits[index.batch, index.target_pos]
+    # Each position is the target of up to `steps` lines: its softmax is taken once.
+    target, target_rows = distinct_targets(target_logits, index.batch, index.target_pos)
     weights = torch.ones(draft.shape[0], device=draft.device)
-    loss, stats = annealed_kl(draft, target, index.row, weights, steps, gamma)
+    loss, stats = annealed_kl(draft, target, index.row, weights, steps, gamma, target_rows)
     return loss, torch.stack([stats.kl_sum, stats.correct, stats.count]).cpu()
 
 

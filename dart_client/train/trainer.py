@@ -38,7 +38,7 @@ from dart_client.train.forward import (
     target_outputs,
     training_targets,
 )
-from dart_client.train.loss import annealed_kl
+from dart_client.train.loss import annealed_kl, distinct_targets
 from dart_client.train.masks import batch_layout, sample_anchors
 from dart_client.train.vocab import build_draft_vocab, coverage, token_counts
 
@@ -344,9 +344,12 @@ class Trainer:
         )
         idx_b, idx_l = idx.batch.to(self.device), idx.line.to(self.device)
         draft = logits[idx_b, idx_l]
-        target = tgt.logits[idx_b, idx.target_pos.to(self.device)]
+        # A position is the target of several anchors' rows: its softmax is taken once.
+        target, target_rows = distinct_targets(tgt.logits, idx_b, idx.target_pos.to(self.device))
         weights = torch.ones(draft.shape[0], device=self.device)
-        loss, stats = annealed_kl(draft, target, idx.row.to(self.device), weights, m + 1, cfg.gamma)
+        loss, stats = annealed_kl(
+            draft, target, idx.row.to(self.device), weights, m + 1, cfg.gamma, target_rows
+        )
         summary = torch.stack(
             [
                 stats.kl_sum,
