@@ -113,7 +113,10 @@ fn synth_build_info_sections_and_bench() {
     // from disk.
     for key in ["prob25_cold_mapping", "prune60_cold_mapping"] {
         assert_eq!(r[key]["n"].as_u64(), Some(5), "{key}: {out}");
-        assert!(r[key]["minor_faults"].as_f64().unwrap() > 0.0, "{key}: {out}");
+        assert!(
+            r[key]["minor_faults"].as_f64().unwrap() > 0.0,
+            "{key}: {out}"
+        );
         assert_eq!(r[key]["major_faults"].as_f64(), Some(0.0), "{key}: {out}");
     }
     assert_eq!(r["prob25_prefetching"]["n"].as_u64(), Some(5), "{out}");

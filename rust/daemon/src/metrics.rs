@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -80,7 +80,12 @@ pub struct Metrics {
     connections_refused: AtomicU64,
     connections_timed_out: AtomicU64,
     reloads: [AtomicU64; 2],
+    /// Bytes of the served model in the page cache, asked at render time (`None`: unknown).
+    resident_probe: OnceLock<ResidentProbe>,
 }
+
+/// Reads how much of the served model is resident (a `mincore` over its mapping).
+pub type ResidentProbe = Box<dyn Fn() -> Option<u64> + Send + Sync>;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -100,7 +105,13 @@ impl Metrics {
             connections_refused: AtomicU64::new(0),
             connections_timed_out: AtomicU64::new(0),
             reloads: [AtomicU64::new(0), AtomicU64::new(0)],
+            resident_probe: OnceLock::new(),
         }
+    }
+
+    /// Sets how `dart_ngram_model_resident_bytes` is read (once; later calls are ignored).
+    pub fn set_resident_probe(&self, probe: ResidentProbe) {
+        let _ = self.resident_probe.set(probe);
     }
 
     /// The index of a request path in [`METHODS`] (unknown paths share the "other" row).
@@ -319,6 +330,14 @@ impl Metrics {
             "dart_ngram_model_bytes {}",
             self.model_bytes.load(Ordering::Relaxed)
         );
+        if let Some(resident) = self.resident_probe.get().and_then(|probe| probe()) {
+            out.push_str(
+                "# HELP dart_ngram_model_resident_bytes Bytes of the served model in the page \
+                 cache (a --prefetch start climbs to dart_ngram_model_bytes).\n",
+            );
+            out.push_str("# TYPE dart_ngram_model_resident_bytes gauge\n");
+            let _ = writeln!(out, "dart_ngram_model_resident_bytes {resident}");
+        }
         out.push_str("# HELP dart_ngram_uptime_seconds Seconds since the daemon started.\n");
         out.push_str("# TYPE dart_ngram_uptime_seconds gauge\n");
         let _ = writeln!(
@@ -381,7 +400,7 @@ pub async fn serve_http(
                 };
                 let metrics = Arc::clone(&metrics);
                 tokio::spawn(async move {
-                    if let Err(err) = answer(stream, &metrics).await {
+                    if let Err(err) = answer(stream, metrics).await {
                         tracing::debug!(%peer, error = %err, "metrics endpoint: request failed");
                     }
                 });
@@ -390,7 +409,7 @@ pub async fn serve_http(
     }
 }
 
-async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+async fn answer(mut stream: tokio::net::TcpStream, metrics: Arc<Metrics>) -> std::io::Result<()> {
     // Read only the request head, bounded in size and time: a scraper sends a few hundred bytes.
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
@@ -417,11 +436,12 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io
     let mut parts = line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let (status, ctype, body) = if method == "GET" && (path == "/metrics" || path == "/") {
-        (
-            "200 OK",
-            "text/plain; version=0.0.4; charset=utf-8",
-            metrics.render(),
-        )
+        // Off the async workers: the resident probe walks the model's pages (milliseconds
+        // for a model of gigabytes).
+        let body = tokio::task::spawn_blocking(move || metrics.render())
+            .await
+            .map_err(std::io::Error::other)?;
+        ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body)
     } else {
         (
             "404 Not Found",

@@ -93,6 +93,11 @@ pub async fn bind(model: Arc<NGramModel>, options: ServeOptions) -> Result<Bound
         options.limits,
         Arc::clone(&metrics),
     )?);
+    // Weak: the server holds the metrics, which must not keep the server alive.
+    let weak = Arc::downgrade(&server);
+    metrics.set_resident_probe(Box::new(move || {
+        weak.upgrade()?.model().resident_bytes().ok()
+    }));
     let grpc = TcpListener::bind(options.listen)
         .await
         .map_err(|source| DaemonError::Io {

@@ -533,6 +533,20 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
         "{text}"
     );
     assert!(text.contains("dart_ngram_request_duration_seconds_bucket{method=\"/dart.ngram.v1.NGramService/Prob\",le=\"+Inf\"}"));
+    // The served model is in the page cache (it was just written and read): resident, and
+    // never more than the file.
+    let gauge = |name: &str| -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in {text}"));
+        line[name.len() + 1..].parse().unwrap()
+    };
+    let (resident, bytes) = (
+        gauge("dart_ngram_model_resident_bytes"),
+        gauge("dart_ngram_model_bytes"),
+    );
+    assert!(resident > 0 && resident <= bytes, "{resident} of {bytes}");
     stop(f).await;
 }
 
