@@ -2,7 +2,7 @@
 
     python -m dart_client.apps.bench.daemon_bench --model MODEL.ngram [--requests 2000]
         [--seconds 3] [--clients 1 4 16] [--threads 2] [--busy-poll-us 2000] [--in-memory]
-        [--skip-checksums] [--rss-after 10000]
+        [--skip-checksums] [--random-access] [--rss-after 10000]
 
 Starts ``dart-ngram serve`` on an ephemeral loopback port, then measures on the same draft
 requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
@@ -17,7 +17,8 @@ requests (k = 25, 8 levels, default pruner configuration: beam 20, 60 nodes):
 ``--rss-after N`` then sends N more prunes (distinct drafts) through the daemon and reports its
 resident memory (``VmRSS``, and the resident pages of its mapping of the model: what the prunes
 touched, not the file's size; open the daemon with ``--skip-checksums`` for that, since checking
-every checksum at open reads the whole file through the mapping).
+every checksum at open reads the whole file through the mapping, and ``--random-access``, since
+otherwise each fault on a page in the page cache maps its neighbours too).
 
 ``--busy-poll-us`` starts the daemon busy-polling (``dart-ngram serve --busy-poll-us``: one
 serving thread that keeps reading its sockets that long after each request instead of
@@ -284,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         help="daemon --skip-checksums (open reads only the small sections)",
     )
     ap.add_argument(
+        "--random-access",
+        action="store_true",
+        help="daemon --random-access (MADV_RANDOM: a fault maps only its own page)",
+    )
+    ap.add_argument(
         "--rss-after",
         type=int,
         default=0,
@@ -303,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         extra += ["--in-memory"]
     if args.skip_checksums:
         extra += ["--skip-checksums"]
+    if args.random_access:
+        extra += ["--random-access"]
     with LocalDaemon(args.model, *extra) as daemon:
         url = daemon.url
         drafts = make_drafts(args.model, args.requests, args.levels, args.k, args.seed)
