@@ -15,7 +15,7 @@
 //! are held in RAM.
 
 use std::fs::File;
-use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use rustc_hash::FxHashMap;
@@ -334,8 +334,8 @@ pub(crate) fn write_model_as(
     let mut file = tmp.as_file().try_clone().map_err(io)?;
     file.seek(SeekFrom::Start(u64::from(header.header_len)))
         .map_err(io)?;
-    let mut out = BufWriter::with_capacity(BUF, file);
     let mut offset = u64::from(header.header_len);
+    let mut out = BufWriter::with_capacity(BUF, Writeback::new(file, offset));
     for &(kind, order, len) in &layout {
         let mut hw = HashWrite::new(&mut out);
         spool.write_section(&mut hw, kind, order as usize, &header)?;
@@ -358,7 +358,7 @@ pub(crate) fn write_model_as(
         });
         offset += len;
     }
-    let mut file = out.into_inner().map_err(|e| io(e.into_error()))?;
+    let mut file = out.into_inner().map_err(|e| io(e.into_error()))?.file;
     file.seek(SeekFrom::Start(0)).map_err(io)?;
     file.write_all(&header.to_bytes()).map_err(io)?;
     // Temporary files are created 0600; a model is meant to be shared (daemon, other users).
@@ -402,12 +402,16 @@ struct Level {
 
 impl Level {
     /// Rank of each distinct count in the table.
-    fn rank_of(&self) -> FxHashMap<u64, u64> {
-        self.table
-            .iter()
-            .enumerate()
-            .map(|(i, &c)| (c, i as u64))
-            .collect()
+    fn rank_of(&self) -> RankOf<'_> {
+        let top = self.table.partition_point(|&c| (c as usize) < DENSE_COUNTS);
+        let mut dense = vec![0u32; self.table[..top].last().map_or(0, |&c| c as usize + 1)];
+        for (r, &c) in self.table[..top].iter().enumerate() {
+            dense[c as usize] = r as u32;
+        }
+        RankOf {
+            dense,
+            table: &self.table,
+        }
     }
 }
 
@@ -493,19 +497,54 @@ impl Parents<'_> {
     }
 }
 
-fn read_pair(r: &mut impl Read) -> io::Result<(u64, u64)> {
-    let mut b = [0u8; 16];
-    r.read_exact(&mut b)?;
+/// Reads `N` bytes, straight from the buffer when it holds them (the generic `read_exact`
+/// costs more than the decode on these 8- and 16-byte records).
+#[inline(always)]
+fn read_array<const N: usize>(r: &mut BufReader<File>) -> io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    if let Some(s) = r.buffer().get(..N) {
+        b.copy_from_slice(s);
+        r.consume(N);
+    } else {
+        r.read_exact(&mut b)?;
+    }
+    Ok(b)
+}
+
+#[inline(always)]
+fn read_pair(r: &mut BufReader<File>) -> io::Result<(u64, u64)> {
+    let b = read_array::<16>(r)?;
     Ok((
         u64::from_le_bytes(b[..8].try_into().expect("8")),
         u64::from_le_bytes(b[8..].try_into().expect("8")),
     ))
 }
 
-fn read_u64(r: &mut impl Read) -> io::Result<u64> {
-    let mut b = [0u8; 8];
-    r.read_exact(&mut b)?;
-    Ok(u64::from_le_bytes(b))
+#[inline(always)]
+fn read_u64(r: &mut BufReader<File>) -> io::Result<u64> {
+    Ok(u64::from_le_bytes(read_array::<8>(r)?))
+}
+
+/// Counts below this index dense tables (rank, frequency); the rare larger ones a sorted
+/// search or a hash map. Most n-grams are seen a few times, so a hash per n-gram was the
+/// writer's biggest cost.
+const DENSE_COUNTS: usize = 1 << 16;
+
+/// Rank of each distinct count of a level in its table.
+struct RankOf<'t> {
+    dense: Vec<u32>,
+    table: &'t [u64],
+}
+
+impl RankOf<'_> {
+    #[inline(always)]
+    fn get(&self, c: u64) -> u64 {
+        match self.dense.get(c as usize) {
+            Some(&r) => u64::from(r),
+            // Counts come from the table this was built from: the search always finds them.
+            None => self.table.partition_point(|&v| v < c) as u64,
+        }
+    }
 }
 
 fn rewind(f: &File) -> io::Result<BufReader<File>> {
@@ -576,7 +615,8 @@ impl Spool<'_> {
             max_bucketed: 0,
             kids: Vec::new(),
         };
-        // Distinct counts and how many n-grams have each.
+        // Distinct counts and how many n-grams have each (dense below DENSE_COUNTS).
+        let mut small = vec![0u64; DENSE_COUNTS];
         let mut table: FxHashMap<u64, u64> = FxHashMap::default();
         let mut entries = 0u64;
         // The parent whose children are being read: (index, key, count).
@@ -687,9 +727,14 @@ impl Spool<'_> {
             }
             sink.kids.push((count, sink.kids.len() as u64));
             self.last_tokens[last as usize] += 1;
-            *table.entry(count).or_insert(0) += 1;
-            w(&mut raw, k).map_err(|e| self.io(e))?;
-            w(&mut raw, count).map_err(|e| self.io(e))?;
+            match small.get_mut(count as usize) {
+                Some(f) => *f += 1,
+                None => *table.entry(count).or_insert(0) += 1,
+            }
+            let mut pair = [0u8; 16];
+            pair[..8].copy_from_slice(&k.to_le_bytes());
+            pair[8..].copy_from_slice(&count.to_le_bytes());
+            raw.write_all(&pair).map_err(|e| self.io(e))?;
             entries += 1;
         }
         // Close the current parent and every parent after it.
@@ -700,6 +745,7 @@ impl Spool<'_> {
             w(&mut sink.offs, entries).map_err(|e| self.io(e))?;
         }
         let mut table: Vec<(u64, u64)> = table.into_iter().collect();
+        table.extend((0..DENSE_COUNTS as u64).zip(small).filter(|&(_, f)| f > 0));
         table.sort_unstable();
         let (table, freq) = table.into_iter().unzip();
         let done = |b: BufWriter<File>| b.into_inner().map_err(|e| e.into_error());
@@ -746,7 +792,7 @@ impl Spool<'_> {
                     let mut p = CodedWriter::new(out, width);
                     for _ in 0..level.entries {
                         let (_, c) = read_pair(&mut r).map_err(io)?;
-                        p.push(rank[&c]).map_err(io)?;
+                        p.push(rank.get(c)).map_err(io)?;
                     }
                     escapes = p.finish().map_err(io)?.2;
                 } else {
@@ -754,7 +800,7 @@ impl Spool<'_> {
                     let mut p = PackedWriter::new(out, ew);
                     for _ in 0..level.entries {
                         let (_, c) = read_pair(&mut r).map_err(io)?;
-                        if let (_, Some(e)) = code_of(rank[&c], width) {
+                        if let (_, Some(e)) = code_of(rank.get(c), width) {
                             p.push(e).map_err(io)?;
                             escapes += 1;
                         }
@@ -787,7 +833,7 @@ impl Spool<'_> {
                     let mut p = PackedWriter::new(out, rec.count_width);
                     for _ in 0..level.entries {
                         let (_, c) = read_pair(&mut r).map_err(io)?;
-                        p.push(rank[&c]).map_err(io)?;
+                        p.push(rank.get(c)).map_err(io)?;
                     }
                     p.finish().map_err(io)?;
                 }
@@ -867,6 +913,57 @@ impl Spool<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Bytes written before the disk is asked to take them (see [`Writeback`]).
+const WRITEBACK: u64 = 32 << 20;
+
+/// A file written sequentially from `start`, whose written range is handed to the disk every
+/// [`WRITEBACK`] bytes (Linux `sync_file_range`, which does not wait): the disk writes while
+/// the model is still being packed, instead of all of it in the final fsync.
+struct Writeback {
+    file: File,
+    pos: u64,
+    flushed: u64,
+}
+
+impl Writeback {
+    fn new(file: File, start: u64) -> Self {
+        Writeback {
+            file,
+            pos: start,
+            flushed: start,
+        }
+    }
+}
+
+impl Write for Writeback {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.pos += n as u64;
+        if self.pos - self.flushed >= WRITEBACK {
+            #[cfg(target_os = "linux")]
+            {
+                use std::os::unix::io::AsRawFd;
+                // SAFETY: a plain syscall on an open descriptor; it reads no memory of ours.
+                // Only a hint: the final fsync is what makes the file durable, so its
+                // result is ignored.
+                unsafe {
+                    libc::sync_file_range(
+                        self.file.as_raw_fd(),
+                        self.flushed as libc::off64_t,
+                        (self.pos - self.flushed) as libc::off64_t,
+                        libc::SYNC_FILE_RANGE_WRITE,
+                    );
+                }
+            }
+            self.flushed = self.pos;
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
     }
 }
 
