@@ -362,6 +362,7 @@ mod tests {
             shards in 1usize..4,
             order in 1usize..=3,
             min_count in 1u64..=3,
+            threads in 2usize..=4,
         ) {
             let dir = tempfile::tempdir().unwrap();
             let cut = cut.min(docs.len());
@@ -390,6 +391,10 @@ mod tests {
             prop_assert_eq!(m.total_tokens(), w.total_tokens());
             prop_assert_eq!(m.documents(), w.documents());
             prop_assert_eq!(m.min_count(), min_count);
+            // Any thread count writes the same bytes.
+            let threaded = dir.path().join("threaded.ngram");
+            merge_models(&refs, &threaded, &MergeOptions { threads, ..opts }).unwrap();
+            prop_assert_eq!(std::fs::read(&threaded).unwrap(), std::fs::read(&out).unwrap());
         }
     }
 
