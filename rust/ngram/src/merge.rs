@@ -235,13 +235,18 @@ impl Iterator for Chunk {
     }
 }
 
+/// A [`KMerge`] key past every `u64` key: an exhausted source.
+const DONE: u128 = u128::MAX;
+
 /// Sums equal keys across several ascending `(key, count)` streams, with a tournament tree
 /// of the streams' heads: taking the smallest key costs `log2(k)` comparisons of plain
 /// integers, and no heap entries move.
 struct KMerge<'p, I> {
     sources: Vec<I>,
-    /// Each source's current `(key, count)`; `None` once it is exhausted.
-    heads: Vec<Option<(u64, u64)>>,
+    /// Each source's current key, [`DONE`] once it is exhausted (above every key, so the
+    /// comparisons are plain integer ones), and count.
+    keys: Vec<u128>,
+    counts: Vec<u64>,
     /// `tree[1]` is the source with the smallest head; node `j`'s children are `2j`, `2j+1`;
     /// leaves (`leaves..2 * leaves`) are the sources, padded with exhausted ones.
     tree: Vec<usize>,
@@ -257,7 +262,8 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         let leaves = n.next_power_of_two();
         KMerge {
             sources,
-            heads: vec![None; leaves],
+            keys: vec![DONE; leaves],
+            counts: vec![0; leaves],
             tree: (0..2 * leaves)
                 .map(|j| j.saturating_sub(leaves).min(leaves - 1))
                 .collect(),
@@ -271,17 +277,30 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
     /// The source with the smaller head of `a` and `b` (exhausted ones last).
     #[inline(always)]
     fn better(&self, a: usize, b: usize) -> usize {
-        match (self.heads[a], self.heads[b]) {
-            (Some((ka, _)), Some((kb, _))) if kb < ka => b,
-            (None, Some(_)) => b,
-            _ => a,
+        if self.keys[b] < self.keys[a] {
+            b
+        } else {
+            a
         }
+    }
+
+    /// Reads source `i`'s next head.
+    #[inline(always)]
+    fn load(&mut self, i: usize) -> Result<()> {
+        match self.sources[i].next().transpose()? {
+            Some((k, c)) => {
+                self.keys[i] = u128::from(k);
+                self.counts[i] = c;
+            }
+            None => self.keys[i] = DONE,
+        }
+        Ok(())
     }
 
     /// Advances source `i` and replays its path to the root.
     #[inline]
     fn pull(&mut self, i: usize) -> Result<()> {
-        self.heads[i] = self.sources[i].next().transpose()?;
+        self.load(i)?;
         let mut j = (self.leaves + i) / 2;
         while j >= 1 {
             self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
@@ -294,31 +313,31 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         if !self.primed {
             self.primed = true;
             for i in 0..self.sources.len() {
-                self.heads[i] = self.sources[i].next().transpose()?;
+                self.load(i)?;
             }
             for j in (1..self.leaves).rev() {
                 self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
             }
         }
         let i = self.tree[1];
-        let Some((key, mut sum)) = self.heads[i] else {
+        let key = self.keys[i];
+        if key == DONE {
             return Ok(None);
-        };
+        }
+        let mut sum = self.counts[i];
         self.pull(i)?;
         loop {
             let j = self.tree[1];
-            match self.heads[j] {
-                Some((k, c)) if k == key => {
-                    sum = sum
-                        .checked_add(c)
-                        .ok_or_else(|| NGramError::CountOverflow {
-                            path: self.output.to_path_buf(),
-                            detail: format!("summed count of key {key:#x} exceeds 64 bits"),
-                        })?;
-                    self.pull(j)?;
-                }
-                _ => return Ok(Some((key, sum))),
+            if self.keys[j] != key {
+                return Ok(Some((key as u64, sum)));
             }
+            sum = sum
+                .checked_add(self.counts[j])
+                .ok_or_else(|| NGramError::CountOverflow {
+                    path: self.output.to_path_buf(),
+                    detail: format!("summed count of key {key:#x} exceeds 64 bits"),
+                })?;
+            self.pull(j)?;
         }
     }
 }

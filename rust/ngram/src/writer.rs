@@ -894,8 +894,14 @@ impl Spool<'_> {
         if let Some(p) = buckets {
             p.finish().map_err(io)?;
         }
-        let coded = codes.map(|p| p.finish().map(|r| r.2)).transpose().map_err(io)?;
-        let listed = escapes.map(|p| p.finish().map(|_| escaped)).transpose().map_err(io)?;
+        let coded = codes
+            .map(|p| p.finish().map(|r| r.2))
+            .transpose()
+            .map_err(io)?;
+        let listed = escapes
+            .map(|p| p.finish().map(|_| escaped))
+            .transpose()
+            .map_err(io)?;
         for got in coded.into_iter().chain(listed) {
             if got != rec.count_escapes {
                 return Err(NGramError::Corrupt {
