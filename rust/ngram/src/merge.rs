@@ -4,9 +4,8 @@
 //! of the concatenated corpus. Each order is a k-way merge of the inputs' sorted levels,
 //! streamed into the writer, so memory stays bounded by the writer's needs.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::path::Path;
+use std::sync::mpsc;
 
 use crate::error::{NGramError, Result};
 use crate::model::{hex, NGramModel};
@@ -27,6 +26,10 @@ pub struct MergeOptions {
     pub write: WriteOptions,
     /// Provenance stored in the output (default `"dart-ngram merge of N models"`).
     pub source: Option<String>,
+    /// Threads: 1 merges and writes on the calling thread; 2 or more merge each order's
+    /// inputs on a thread of its own, feeding the writer through a bounded queue. The output
+    /// is the same bytes whatever the number.
+    pub threads: usize,
 }
 
 impl Default for MergeOptions {
@@ -36,6 +39,7 @@ impl Default for MergeOptions {
             min_count: 1,
             write: WriteOptions::default(),
             source: None,
+            threads: 1,
         }
     }
 }
@@ -152,23 +156,101 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
             .clone()
             .unwrap_or_else(|| format!("dart-ngram merge of {} models", models.len())),
     };
-    let mut higher: Vec<CountStream<'_>> = Vec::new();
-    for n in 2..=first.order() {
-        let merged = KMerge::new(models.iter().map(|m| m.iter_order(n)).collect(), output);
-        let keep = min_count;
-        higher.push(Box::new(merged.filter(move |r| match r {
-            Ok((_, c)) => *c >= keep,
-            Err(_) => true,
-        })));
+    let merged = |n: usize| {
+        KMerge::new(models.iter().map(|m| m.iter_order(n)).collect(), output).filter(move |r| {
+            match r {
+                Ok((_, c)) => *c >= min_count,
+                Err(_) => true,
+            }
+        })
+    };
+    if opts.threads <= 1 {
+        let higher: Vec<CountStream<'_>> = (2..=first.order())
+            .map(|n| Box::new(merged(n)) as CountStream<'_>)
+            .collect();
+        return write_model(output, &meta, &unigrams, higher, &opts.write);
     }
-    write_model(output, &meta, &unigrams, higher, &opts.write)
+    // One producer per order; the writer drains them in order, so only the order being
+    // written (and the queue of the next ones) is in flight: memory stays bounded.
+    std::thread::scope(|scope| {
+        let mut higher: Vec<CountStream<'_>> = Vec::new();
+        for n in 2..=first.order() {
+            let (tx, rx) = mpsc::sync_channel::<Result<Vec<(u64, u64)>>>(QUEUE_CHUNKS);
+            let merged = &merged;
+            scope.spawn(move || {
+                let mut it = merged(n);
+                loop {
+                    let mut chunk = Vec::with_capacity(CHUNK);
+                    let mut failed = None;
+                    for r in it.by_ref().take(CHUNK) {
+                        match r {
+                            Ok(v) => chunk.push(v),
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
+                        }
+                    }
+                    let last = chunk.len() < CHUNK || failed.is_some();
+                    // A closed queue means the writer stopped (an error): stop too.
+                    if !chunk.is_empty() && tx.send(Ok(chunk)).is_err() {
+                        return;
+                    }
+                    if let Some(e) = failed {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                    if last {
+                        return;
+                    }
+                }
+            });
+            higher.push(Box::new(rx.into_iter().flat_map(|r| match r {
+                Ok(chunk) => Chunk::Items(chunk.into_iter()),
+                Err(e) => Chunk::Failed(Some(e)),
+            })));
+        }
+        write_model(output, &meta, &unigrams, higher, &opts.write)
+    })
 }
 
-/// Sums equal keys across several ascending `(key, count)` streams.
+/// n-grams a producer thread hands over at a time, and how many such chunks may wait.
+const CHUNK: usize = 1 << 14;
+const QUEUE_CHUNKS: usize = 4;
+
+/// One message of a producer's queue, as stream items.
+enum Chunk {
+    Items(std::vec::IntoIter<(u64, u64)>),
+    Failed(Option<NGramError>),
+}
+
+impl Iterator for Chunk {
+    type Item = Result<(u64, u64)>;
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            Chunk::Items(it) => it.next().map(Ok),
+            Chunk::Failed(e) => e.take().map(Err),
+        }
+    }
+}
+
+/// A [`KMerge`] key past every `u64` key: an exhausted source.
+const DONE: u128 = u128::MAX;
+
+/// Sums equal keys across several ascending `(key, count)` streams, with a tournament tree
+/// of the streams' heads: taking the smallest key costs `log2(k)` comparisons of plain
+/// integers, and no heap entries move.
 struct KMerge<'p, I> {
     sources: Vec<I>,
-    heap: BinaryHeap<Reverse<(u64, usize)>>,
-    heads: Vec<u64>,
+    /// Each source's current key, [`DONE`] once it is exhausted (above every key, so the
+    /// comparisons are plain integer ones), and count.
+    keys: Vec<u128>,
+    counts: Vec<u64>,
+    /// `tree[1]` is the source with the smallest head; node `j`'s children are `2j`, `2j+1`;
+    /// leaves (`leaves..2 * leaves`) are the sources, padded with exhausted ones.
+    tree: Vec<usize>,
+    leaves: usize,
     primed: bool,
     failed: bool,
     output: &'p Path,
@@ -177,63 +259,99 @@ struct KMerge<'p, I> {
 impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
     fn new(sources: Vec<I>, output: &'p Path) -> Self {
         let n = sources.len();
+        let leaves = n.next_power_of_two();
         KMerge {
             sources,
-            heap: BinaryHeap::with_capacity(n),
-            heads: vec![0; n],
+            keys: vec![DONE; leaves],
+            counts: vec![0; leaves],
+            tree: (0..2 * leaves)
+                .map(|j| j.saturating_sub(leaves).min(leaves - 1))
+                .collect(),
+            leaves,
             primed: false,
             failed: false,
             output,
         }
     }
 
-    fn pull(&mut self, i: usize) -> Result<()> {
-        if let Some(item) = self.sources[i].next() {
-            let (k, c) = item?;
-            self.heads[i] = c;
-            self.heap.push(Reverse((k, i)));
+    /// The source with the smaller head of `a` and `b` (exhausted ones last).
+    #[inline(always)]
+    fn better(&self, a: usize, b: usize) -> usize {
+        if self.keys[b] < self.keys[a] {
+            b
+        } else {
+            a
+        }
+    }
+
+    /// Reads source `i`'s next head.
+    #[inline(always)]
+    fn load(&mut self, i: usize) -> Result<()> {
+        match self.sources[i].next().transpose()? {
+            Some((k, c)) => {
+                self.keys[i] = u128::from(k);
+                self.counts[i] = c;
+            }
+            None => self.keys[i] = DONE,
         }
         Ok(())
+    }
+
+    /// Advances source `i` and replays its path to the root.
+    #[inline]
+    fn pull(&mut self, i: usize) -> Result<()> {
+        self.load(i)?;
+        let mut j = (self.leaves + i) / 2;
+        while j >= 1 {
+            self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+            j /= 2;
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<Option<(u64, u64)>> {
+        if !self.primed {
+            self.primed = true;
+            for i in 0..self.sources.len() {
+                self.load(i)?;
+            }
+            for j in (1..self.leaves).rev() {
+                self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+            }
+        }
+        let i = self.tree[1];
+        let key = self.keys[i];
+        if key == DONE {
+            return Ok(None);
+        }
+        let mut sum = self.counts[i];
+        self.pull(i)?;
+        loop {
+            let j = self.tree[1];
+            if self.keys[j] != key {
+                return Ok(Some((key as u64, sum)));
+            }
+            sum = sum
+                .checked_add(self.counts[j])
+                .ok_or_else(|| NGramError::CountOverflow {
+                    path: self.output.to_path_buf(),
+                    detail: format!("summed count of key {key:#x} exceeds 64 bits"),
+                })?;
+            self.pull(j)?;
+        }
     }
 }
 
 impl<I: Iterator<Item = Result<(u64, u64)>>> Iterator for KMerge<'_, I> {
     type Item = Result<(u64, u64)>;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         if self.failed {
             return None;
         }
-        let step = (|| -> Result<Option<(u64, u64)>> {
-            if !self.primed {
-                self.primed = true;
-                for i in 0..self.sources.len() {
-                    self.pull(i)?;
-                }
-            }
-            let Some(Reverse((key, i))) = self.heap.pop() else {
-                return Ok(None);
-            };
-            let mut sum = self.heads[i];
-            self.pull(i)?;
-            while let Some(&Reverse((k, j))) = self.heap.peek() {
-                if k != key {
-                    break;
-                }
-                self.heap.pop();
-                sum = sum
-                    .checked_add(self.heads[j])
-                    .ok_or_else(|| NGramError::CountOverflow {
-                        path: self.output.to_path_buf(),
-                        detail: format!("summed count of key {key:#x} exceeds 64 bits"),
-                    })?;
-                self.pull(j)?;
-            }
-            Ok(Some((key, sum)))
-        })();
-        match step {
-            Ok(Some(v)) => Some(Ok(v)),
-            Ok(None) => None,
+        match self.step() {
+            Ok(v) => v.map(Ok),
             Err(e) => {
                 self.failed = true;
                 Some(Err(e))
@@ -263,6 +381,7 @@ mod tests {
             shards in 1usize..4,
             order in 1usize..=3,
             min_count in 1u64..=3,
+            threads in 2usize..=4,
         ) {
             let dir = tempfile::tempdir().unwrap();
             let cut = cut.min(docs.len());
@@ -291,6 +410,10 @@ mod tests {
             prop_assert_eq!(m.total_tokens(), w.total_tokens());
             prop_assert_eq!(m.documents(), w.documents());
             prop_assert_eq!(m.min_count(), min_count);
+            // Any thread count writes the same bytes.
+            let threaded = dir.path().join("threaded.ngram");
+            merge_models(&refs, &threaded, &MergeOptions { threads, ..opts }).unwrap();
+            prop_assert_eq!(std::fs::read(&threaded).unwrap(), std::fs::read(&out).unwrap());
         }
     }
 

@@ -1653,16 +1653,29 @@ impl NGramModel {
     }
 }
 
-/// Walks order `n` in key order, tracking each entry's chain of parents.
+/// Entries an [`OrderIter`] decodes at a time: big enough that the per-chunk work vanishes,
+/// small enough to stay in L1/L2.
+const ORDER_CHUNK: usize = 4096;
+
+/// Walks order `n` in key order, tracking each entry's chain of parents. Decodes a chunk of
+/// entries at a time (counts in one sequential sweep of their column), so a whole-order read
+/// (merge, import, export) costs a few nanoseconds per n-gram.
 struct OrderIter<'m> {
     m: &'m NGramModel,
     n: usize,
-    /// Next entry of order n.
+    /// Next entry of order n to decode.
     next: u64,
     /// Current parent index at orders 1..n-1 (index 0 = order 1).
     chain: Vec<u64>,
     /// End of the current parent's child range, per order 1..n-1.
     ends: Vec<u64>,
+    /// Key of the current parent, per order 1..n-1.
+    keys: Vec<u64>,
+    /// Decoded entries not yet returned: `buf[pos..]`.
+    buf: Vec<(u64, u64)>,
+    pos: usize,
+    /// Scratch for one chunk's count ranks.
+    ranks: Vec<u64>,
     started: bool,
     error: Option<NGramError>,
     done: bool,
@@ -1677,16 +1690,31 @@ impl<'m> OrderIter<'m> {
                 m.order()
             ))
         });
+        let parents = n.saturating_sub(1);
         OrderIter {
             m,
             n,
             next: 0,
-            chain: vec![0; n.saturating_sub(1)],
-            ends: vec![0; n.saturating_sub(1)],
+            chain: vec![0; parents],
+            ends: vec![0; parents],
+            keys: vec![0; parents],
+            buf: Vec::new(),
+            pos: 0,
+            ranks: Vec::new(),
             started: false,
             error,
             done: false,
         }
+    }
+
+    /// Key of the current parent at order `d` from the one below it.
+    fn parent_key(&self, d: usize) -> u64 {
+        let i = self.chain[d - 1];
+        if d == 1 {
+            return i;
+        }
+        let bits = self.m.header.token_bits;
+        (self.keys[d - 2] << bits) | self.m.view(self.m.levels[d - 1].tokens).get_narrow(i)
     }
 
     /// Moves the parent at order `d` (1-based) forward until its children include `child`
@@ -1707,7 +1735,65 @@ impl<'m> OrderIter<'m> {
             if d > 1 {
                 self.seek(d - 1, i)?;
             }
+            self.keys[d - 1] = self.parent_key(d);
         }
+        Ok(())
+    }
+
+    /// Decodes the next chunk of order `n >= 2` into `buf` (empty at the end).
+    fn fill(&mut self) -> Result<()> {
+        let m = self.m;
+        let n = self.n;
+        self.buf.clear();
+        self.pos = 0;
+        let lo = self.next;
+        let hi = m.levels[n - 1].entries.min(lo + ORDER_CHUNK as u64);
+        if lo >= hi {
+            return Ok(());
+        }
+        if !self.started {
+            // Every parent on its first entry, then made consistent from order 1 up.
+            for d in 1..n {
+                let (_, hi) = m.children_of(d, 0)?;
+                self.chain[d - 1] = 0;
+                self.ends[d - 1] = hi;
+            }
+            for d in 1..n {
+                self.seek(d, 0)?;
+            }
+            for d in 1..n {
+                self.keys[d - 1] = self.parent_key(d);
+            }
+            self.started = true;
+        }
+        self.ranks.resize((hi - lo) as usize, 0);
+        match m.ranks(n) {
+            Ranks::Plain(p) => {
+                for (j, r) in self.ranks.iter_mut().enumerate() {
+                    *r = p.get(lo + j as u64);
+                }
+            }
+            Ranks::Coded(c) => c
+                .decode(lo, &mut self.ranks)
+                .map_err(|(j, e)| m.bad_escape(n, lo + j as u64, e))?,
+        }
+        let (off, len) = m.levels[n - 1].values;
+        let tokens = m.view(m.levels[n - 1].tokens);
+        let bits = m.header.token_bits;
+        for i in lo..hi {
+            if self.ends[n - 2] <= i {
+                self.seek(n - 1, i)?;
+            }
+            let c = self.ranks[(i - lo) as usize];
+            if c >= len {
+                return Err(m.bad_rank(n, i, c, len));
+            }
+            let at = off + c as usize * 8;
+            let count = u64::from_le_bytes(m.map[at..at + 8].try_into().expect("8 bytes"));
+            let key = (self.keys[n - 2] << bits) | tokens.get_narrow(i);
+            self.buf.push((key, count));
+        }
+        self.next = hi;
         Ok(())
     }
 }
@@ -1715,7 +1801,12 @@ impl<'m> OrderIter<'m> {
 impl Iterator for OrderIter<'_> {
     type Item = Result<(u64, u64)>;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
+        if let Some(&v) = self.buf.get(self.pos) {
+            self.pos += 1;
+            return Some(Ok(v));
+        }
         if self.done {
             return None;
         }
@@ -1724,56 +1815,32 @@ impl Iterator for OrderIter<'_> {
             return Some(Err(e));
         }
         let m = self.m;
-        let n = self.n;
-        let result = (|| -> Result<Option<(u64, u64)>> {
-            if n == 1 {
-                while self.next < u64::from(m.vocab_size()) {
-                    let t = self.next;
-                    self.next += 1;
-                    let c = m.count_at(1, t)?;
-                    if c > 0 {
-                        return Ok(Some((t, c)));
+        if self.n == 1 {
+            while self.next < u64::from(m.vocab_size()) {
+                let t = self.next;
+                self.next += 1;
+                match m.count_at(1, t) {
+                    Ok(0) => {}
+                    Ok(c) => return Some(Ok((t, c))),
+                    Err(e) => {
+                        self.done = true;
+                        return Some(Err(e));
                     }
                 }
-                return Ok(None);
             }
-            let i = self.next;
-            if i >= m.levels[n - 1].entries {
-                return Ok(None);
-            }
-            if !self.started {
-                // Every parent on its first entry, then made consistent from order 1 up.
-                for d in 1..n {
-                    let (_, hi) = m.children_of(d, 0)?;
-                    self.chain[d - 1] = 0;
-                    self.ends[d - 1] = hi;
-                }
-                for d in 1..n {
-                    self.seek(d, 0)?;
-                }
-                self.started = true;
-            }
-            self.seek(n - 1, i)?;
-            self.next += 1;
-            let bits = m.header.token_bits;
-            let mut key = self.chain[0];
-            for d in 2..n {
-                key = (key << bits) | m.view(m.levels[d - 1].tokens).get(self.chain[d - 1]);
-            }
-            key = (key << bits) | m.view(m.levels[n - 1].tokens).get(i);
-            Ok(Some((key, m.count_at(n, i)?)))
-        })();
-        match result {
-            Ok(Some(v)) => Some(Ok(v)),
-            Ok(None) => {
-                self.done = true;
-                None
-            }
-            Err(e) => {
-                self.done = true;
-                Some(Err(e))
-            }
+            self.done = true;
+            return None;
         }
+        // An error mid-chunk comes after the entries decoded before it.
+        if let Err(e) = self.fill() {
+            self.error = Some(e);
+        }
+        if let Some(&v) = self.buf.first() {
+            self.pos = 1;
+            return Some(Ok(v));
+        }
+        self.done = true;
+        self.error.take().map(Err)
     }
 }
 

@@ -271,7 +271,7 @@ impl PyNGram {
             allow_pruned,
             min_count,
             write: WriteOptions { top_list_len },
-            source: None,
+            ..Default::default()
         };
         let report = py
             .detach(|| {
