@@ -40,6 +40,28 @@ def help_flags(subcommand: str) -> frozenset[str]:
     return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", out))
 
 
+def positionals(argv: list[str], subcommand: str) -> list[str]:
+    """The arguments that are neither flags nor the values of flags taking one (those
+    ``--help`` shows with a ``<VALUE>``)."""
+    out = subprocess.run(
+        [str(dart_ngram_binary()), subcommand, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    valued = set(re.findall(r"(--[a-z][a-z0-9-]*)[ =]<", out))
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("--"):
+            skip = a in valued
+        else:
+            kept.append(a)
+    return kept
+
+
 def flags_of(argv: list[str]) -> set[str]:
     """Long flags used in an argument list (``--x=v`` and ``--x v`` forms)."""
     return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
@@ -239,8 +261,7 @@ def test_merge_job_merges_every_shard_the_build_job_writes() -> None:
     _, argv = job_command(MERGE_JOB)
     assert argv[1] == "merge"
     assert flags_of(argv[2:]) <= help_flags("merge"), flags_of(argv[2:]) - help_flags("merge")
-    output = flag_value(argv, "--output")
-    inputs = [a for a in argv[2:] if not a.startswith("--") and a not in (output, "1")]
+    inputs = positionals(argv[2:], "merge")
     pattern = flag_value(build_argv, "--output")
     expected = [
         pattern.replace("${JOB_COMPLETION_INDEX}", str(i))
