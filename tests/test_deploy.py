@@ -28,29 +28,26 @@ PROTO = REPO / "proto" / "dart" / "ngram" / "v1" / "ngram.proto"
 
 
 @cache
-def help_flags(subcommand: str) -> frozenset[str]:
-    """The long flags ``dart-ngram SUBCOMMAND --help`` lists."""
-    out = subprocess.run(
+def help_text(subcommand: str) -> str:
+    """What ``dart-ngram SUBCOMMAND --help`` prints."""
+    return subprocess.run(
         [str(dart_ngram_binary()), subcommand, "--help"],
         capture_output=True,
         text=True,
         timeout=30,
         check=True,
     ).stdout
-    return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", out))
+
+
+def help_flags(subcommand: str) -> frozenset[str]:
+    """The long flags ``dart-ngram SUBCOMMAND --help`` lists."""
+    return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", help_text(subcommand)))
 
 
 def positionals(argv: list[str], subcommand: str) -> list[str]:
     """The arguments that are neither flags nor the values of flags taking one (those
     ``--help`` shows with a ``<VALUE>``)."""
-    out = subprocess.run(
-        [str(dart_ngram_binary()), subcommand, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    valued = set(re.findall(r"(--[a-z][a-z0-9-]*)[ =]<", out))
+    valued = set(re.findall(r"(--[a-z][a-z0-9-]*)[ =]<", help_text(subcommand)))
     kept, skip = [], False
     for a in argv:
         if skip:
