@@ -37,10 +37,10 @@ pub struct OpenOptions {
     pub skip_checksums: bool,
     /// Read the whole file into the page cache now (`MAP_POPULATE`) instead of on first touch.
     pub populate: bool,
-    /// Ask the kernel to read the whole file into the page cache in the background
-    /// (`POSIX_FADV_WILLNEED` from a thread) and return at once: queries are served right
-    /// away, and each waits on the disk only until the read-ahead has reached its pages. The
-    /// non-blocking counterpart of `populate`, for a cold start of a large model.
+    /// Read the whole file into the page cache and map it in the background (a thread's
+    /// sequential reads, then `MADV_POPULATE_READ`) and return at once: queries are served
+    /// right away, and each waits on the disk only until the thread has reached its pages.
+    /// The non-blocking counterpart of `populate`, for a cold start of a large model.
     pub prefetch: bool,
     /// Pin the pages in RAM (`mlock`); needs `RLIMIT_MEMLOCK` to allow it.
     pub lock: bool,
@@ -202,8 +202,6 @@ struct RankRead {
     code: u64,
     escape: Option<u64>,
 }
-
-impl Ranks<'_> {}
 
 /// A context's count being read ([`NGramModel::locate_pending`]): known (order 1), or the
 /// rank of order n's entry i being read.
