@@ -176,6 +176,7 @@ class DartModel:
         *,
         ngram_server: str | None = None,
         is_small_ngram: bool = False,
+        ngram_open: Mapping[str, bool] | None = None,
         torch_dtype: torch.dtype | str | None = None,
         device_map: Any = None,
         pruner_config: Any = None,
@@ -191,13 +192,20 @@ class DartModel:
 
         The n-gram is a ``.ngram`` file, a directory holding ``full``/``small`` models
         (``is_small_ngram`` picks), a reference ``.trie`` (converted once and cached), or is
-        served by the n-gram daemon at ``ngram_server`` (``host:port``). ``tree_budget="auto"``
+        served by the n-gram daemon at ``ngram_server`` (``host:port``). ``ngram_open``: how a
+        local n-gram is opened (``NGram.open``'s options, e.g. ``{"checksums": False,
+        "prefetch": True}`` for a model of many GB). ``tree_budget="auto"``
         tunes the budget now, at load time (a few seconds: see
         :mod:`dart_client.decoding.autotune`).
         ``cpu_kernels``: on the CPU, run the target on the decoding kernels of
         :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
         ``prompt_lookup``: see the class docstring.
         """
+        if ngram_server is not None and ngram_open:  # before the (slow) target load
+            raise InvalidArgumentError(
+                "ngram_open applies to a local n-gram model; the daemon at "
+                f"{ngram_server} opens its own (dart-ngram serve --prefetch, ...)"
+            )
         model, tokenizer = load_target(
             base_model_name_or_path, dtype=torch_dtype, device_map=device_map, **hf_kwargs
         )
@@ -212,7 +220,9 @@ class DartModel:
         if ngram_server is not None:
             pruner = load_pruner(ngram_server, pruner_config)
         elif ngram_model_name_or_path is not None:
-            ngram = load_ngram(ngram_model_name_or_path, is_small=is_small_ngram)
+            ngram = load_ngram(
+                ngram_model_name_or_path, is_small=is_small_ngram, open_options=ngram_open
+            )
         dart = cls(
             TargetModel(model, tokenizer, cpu_kernels=cpu_kernels),
             head,
@@ -421,6 +431,7 @@ def build_model(
     template: str = "auto",
     small_ngram: bool = False,
     ngram_server: str | None = None,
+    ngram_open: Mapping[str, bool] | None = None,
     ar: bool = False,
     cpu_kernels: bool = True,
     prompt_lookup: int = 8,
@@ -430,9 +441,10 @@ def build_model(
     """The DartModel that command-line options describe (the CLIs, bench and UI load through
     here): a target (None = the embedded SmolLM2), a head (directory, ``"random"`` or
     ``"auto"``) and an n-gram (a path, ``"embedded"``, or a daemon address in
-    ``ngram_server``); ``prompt_lookup``: the longest prompt-lookup path merged into each tree
-    (0 = off); ``template``: ``auto`` (the tokenizer's), ``none`` or a registry name. ``ar``
-    loads the target only. Notes on what was chosen go to ``notes`` (else stderr)."""
+    ``ngram_server``; ``ngram_open``: ``NGram.open``'s options for a local one);
+    ``prompt_lookup``: the longest prompt-lookup path merged into each tree (0 = off);
+    ``template``: ``auto`` (the tokenizer's), ``none`` or a registry name. ``ar`` loads the
+    target only. Notes on what was chosen go to ``notes`` (else stderr)."""
     from dart_client.devices import check_device
 
     if device != "auto":  # device_map="auto" lets accelerate place the layers
@@ -466,7 +478,7 @@ def build_model(
         pruner = load_pruner(ngram_server, None)
     else:
         assert ngram is not None
-        ngram_model = load_ngram(ngram, is_small=small_ngram)
+        ngram_model = load_ngram(ngram, is_small=small_ngram, open_options=ngram_open)
     model = DartModel(
         target_model,
         load_head(head, target_model.config, embedded_target=base is None, notes=notes),

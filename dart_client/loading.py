@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # and DTYPES (name -> torch dtype), built on first use by __getattr__
     "DTYPE_NAMES",
+    "NGRAM_OPEN_OPTIONS",
     "check_spec",
     "gguf_unpacked",
     "is_hub_id",
@@ -302,21 +304,46 @@ def _load_draft_model(
     return cls.from_pretrained(spec, **from_kwargs)
 
 
-def load_ngram(spec: str | Path, *, is_small: bool = False) -> Any:
+#: What a user may ask of a local n-gram model's opening (``ngram_open=`` in code,
+#: ``--ngram-open`` on command lines): :meth:`dart_client.ngram.model.NGram.open`'s options.
+#: For a model of many GB, ``checksums=False, prefetch=True`` opens in milliseconds instead of
+#: reading the whole file first, and warms the page cache in the background.
+NGRAM_OPEN_OPTIONS = (
+    "checksums",
+    "prefetch",
+    "populate",
+    "in_memory",
+    "huge_pages",
+    "random_access",
+    "lock",
+    "verify",
+)
+
+
+def load_ngram(
+    spec: str | Path, *, is_small: bool = False, open_options: Mapping[str, bool] | None = None
+) -> Any:
     """An n-gram model: ``.ngram`` file, ``full``/``small`` directory, ``.trie``, hub id,
     ``"embedded"`` (the ShareGPT 3-gram of the embedded default, built once), or a daemon URL
-    (``grpc://``/``grpcs://``: a connected ``RemoteNGram``)."""
+    (``grpc://``/``grpcs://``: a connected ``RemoteNGram``). ``open_options``: keyword
+    arguments of ``NGram.open`` (names in :data:`NGRAM_OPEN_OPTIONS`) for a local model."""
     from dart_client.ngram.model import NGram
 
     text = str(spec)
+    options = _checked_open_options(open_options)
     if text.startswith(("grpc://", "grpcs://")):
+        if options:
+            raise InvalidArgumentError(
+                f"{spec}: n-gram open options ({', '.join(options)}) apply to a local model; "
+                "the daemon opens its own (dart-ngram serve --prefetch, --in-memory, ...)"
+            )
         from dart_client.ngram.remote import connect
 
         return connect(text)
     if text == "embedded":
         from dart_client.ngram.embedded import ensure_ngram
 
-        return NGram.open(str(ensure_ngram().path))
+        return NGram.open(str(ensure_ngram().path), **options)
     p = Path(spec)
     name = "small" if is_small else "full"
     if p.is_dir():
@@ -339,7 +366,22 @@ def load_ngram(spec: str | Path, *, is_small: bool = False) -> Any:
             ) from None
     if p.suffix == ".trie":
         p = _converted_trie(p)
-    return NGram.open(str(p))
+    return NGram.open(str(p), **options)
+
+
+def _checked_open_options(options: Mapping[str, bool] | None) -> dict[str, bool]:
+    if options is None:
+        return {}
+    unknown = sorted(set(options) - set(NGRAM_OPEN_OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown n-gram open option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(NGRAM_OPEN_OPTIONS)}"
+        )
+    for key, value in options.items():
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"n-gram open option {key}={value!r}: expected True/False")
+    return dict(options)
 
 
 def load_pruner(address: str, pruner_config: Any = None) -> Any:

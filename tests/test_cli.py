@@ -53,6 +53,8 @@ def test_bad_arguments_exit_2_before_loading(
         ["--template", "nonesuch", "--ar"],
         ["--prompt-lookup", "-3", "--ar"],
         ["--device", "bogus", "--ar"],
+        ["--ngram-open", "prefetch,nonesuch", "--ar"],
+        ["--head", "random", "--ngram-server", "localhost:1", "--ngram-open", "prefetch"],
         [],  # neither --head/--ngram nor --ar
     ]
     for extra in cases:
@@ -306,6 +308,36 @@ def test_auto_tree_budget_is_tuned_once_and_cached(
     budget = re.search(r"tree budget (\d+),", first.err)
     assert budget and f"tree budget {budget.group(1)}," in second.err
     assert json.loads(second.out)["tokens"] == json.loads(first.out)["tokens"]
+
+
+def test_ngram_open_options_reach_the_model(
+    tiny_dir: Path, tiny_ngram_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ngram-open no-checksums opens a model whose large section is damaged (the default
+    refuses it by its checksum); prefetch decodes the same tokens."""
+    damaged = tmp_path / "damaged.ngram"
+    data = bytearray(tiny_ngram_path.read_bytes())
+    tokens = next(
+        s
+        for s in NGram.open(str(tiny_ngram_path)).info()["sections"]
+        if s["kind"] == "tokens" and s["order"] == 3
+    )
+    # The last byte of the section: a position padding may occupy, so every node stays valid.
+    data[tokens["offset"] + tokens["length"] - 1] ^= 0x80
+    damaged.write_bytes(bytes(data))
+    argv = ["generate", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
+            "--tree-budget", "8", "--raw", "--max-new-tokens", "6", "--json",
+            "w5 w17 w200"]  # fmt: skip
+    assert main([*argv[:-1], "--ngram", str(damaged), argv[-1]]) == 1
+    _one_line_error(capsys.readouterr().err, "fails its checksum")
+    assert main([*argv[:-1], "--ngram", str(tiny_ngram_path), argv[-1]]) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    opened = ["--ngram", str(tiny_ngram_path), "--ngram-open", "prefetch,no-checksums"]
+    assert main([*argv[:-1], *opened, argv[-1]]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain
+    assert main([*argv[:-1], "--ngram", str(damaged), "--ngram-open", "no-checksums",
+                 argv[-1]]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain  # lossless whatever the drafts
 
 
 # ---- dart chat: the conversation's caches between turns ---------------------------------------

@@ -63,3 +63,17 @@ def test_recorded_paths_name_no_machine(tmp_path: Path, monkeypatch: pytest.Monk
     assert display_path(tmp_path / "data" / "x.jsonl") == "data/x.jsonl"
     assert display_path("relative/y") == "relative/y"
     assert display_path("/elsewhere/z") == "/elsewhere/z"
+
+
+def test_ngram_open_options_are_checked(tiny_ngram_path: Path) -> None:
+    from dart_client.errors import InvalidArgumentError
+    from dart_client.loading import load_ngram
+
+    opened = load_ngram(tiny_ngram_path, open_options={"checksums": False, "prefetch": True})
+    assert opened.info()["order"] == 3
+    with pytest.raises(InvalidArgumentError, match=r"unknown n-gram open option.*mmap.*known: "):
+        load_ngram(tiny_ngram_path, open_options={"mmap": True})
+    with pytest.raises(InvalidArgumentError, match="prefetch='yes': expected True/False"):
+        load_ngram(tiny_ngram_path, open_options={"prefetch": "yes"})  # type: ignore[dict-item]
+    with pytest.raises(InvalidArgumentError, match="apply to a local model"):
+        load_ngram("grpc://localhost:1", open_options={"prefetch": True})

@@ -8,7 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from dart_client.errors import DartError
-from dart_client.loading import DTYPE_NAMES, check_spec
+from dart_client.loading import DTYPE_NAMES, NGRAM_OPEN_OPTIONS, check_spec
 
 if TYPE_CHECKING:
     from dart_client.decoding.config import GenerationConfig
@@ -43,6 +43,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--small-ngram", action="store_true", help="use the directory's small model")
     g.add_argument("--ngram-server", help="host:port of an n-gram daemon instead of --ngram")
+    add_ngram_open_argument(g)
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
     add_device_argument(g, device_map=True)
     g.add_argument(
@@ -54,6 +55,34 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ar", action="store_true", help="plain autoregressive decoding")
     add_prompt_lookup_argument(g)
     add_cpu_kernels_argument(g)
+
+
+def add_ngram_open_argument(g: Any) -> None:
+    """``--ngram-open`` (``args.ngram_open``: a dict of ``NGram.open`` options)."""
+    g.add_argument(
+        "--ngram-open",
+        type=parse_ngram_open,
+        default={},
+        metavar="OPTION[,OPTION...]",
+        help="how --ngram's model is opened: "
+        + ", ".join(o.replace("_", "-") for o in NGRAM_OPEN_OPTIONS)
+        + "; 'no-' turns one off. A model of many GB: 'no-checksums,prefetch' opens at once "
+        "(the large sections are not read to check them) and reads the file in the background",
+    )
+
+
+def parse_ngram_open(text: str) -> dict[str, bool]:
+    """``--ngram-open``'s value: ``prefetch,no-checksums`` -> ``{"prefetch": True,
+    "checksums": False}``."""
+    options: dict[str, bool] = {}
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        value = not word.startswith("no-")
+        name = word.removeprefix("no-").replace("-", "_")
+        if name not in NGRAM_OPEN_OPTIONS:
+            known = ", ".join(o.replace("_", "-") for o in NGRAM_OPEN_OPTIONS)
+            raise argparse.ArgumentTypeError(f"unknown option {word!r} (known: {known})")
+        options[name] = value
+    return options
 
 
 def add_prompt_lookup_argument(g: Any) -> None:
@@ -199,6 +228,8 @@ def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentPar
         args.ngram = "embedded"
     if args.ngram and args.ngram != "embedded" and not args.ngram.startswith("grpc"):
         _check(parser, "--ngram", "n-gram model", args.ngram, suffixes=(".ngram", ".trie"))
+    if args.ngram_open and (args.ngram_server or (args.ngram or "").startswith("grpc")):
+        parser.error("--ngram-open applies to a local model; the daemon opens its own")
 
 
 def _check(
@@ -223,6 +254,7 @@ def load_model(args: argparse.Namespace) -> Any:
         template=args.template,
         small_ngram=args.small_ngram,
         ngram_server=args.ngram_server,
+        ngram_open=args.ngram_open,
         ar=args.ar,
         cpu_kernels=args.cpu_kernels,
         prompt_lookup=args.prompt_lookup,

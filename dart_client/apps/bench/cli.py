@@ -24,6 +24,7 @@ from dart_client.apps.bench import METHODS
 from dart_client.apps.options import (
     add_cpu_kernels_argument,
     add_device_argument,
+    add_ngram_open_argument,
     add_prompt_lookup_argument,
     add_static_argument,
 )
@@ -46,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
         "head shipped for the embedded SmolLM2 when the target is the embedded one, else random",
     )
     g.add_argument("--ngram", default="embedded", help="n-gram model, or 'embedded'")
+    add_ngram_open_argument(g)
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     add_device_argument(g)
     add_static_argument(g)
@@ -131,6 +133,7 @@ def load(args: argparse.Namespace, notes: list[str]) -> Any:
         args.ngram,
         dtype=args.dtype,
         device=args.device,
+        ngram_open=args.ngram_open,
         cpu_kernels=args.cpu_kernels,
         prompt_lookup=args.prompt_lookup,
         notes=notes,
