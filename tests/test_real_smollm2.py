@@ -184,21 +184,49 @@ def exact_is_promised(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and SIMD_KERNELS
 
 
+#: Greedy AR tokens of the real target by (dtype, prompt ids, max new tokens): several tests
+#: compare with the same autoregressive decodings, which are run once (module scope).
+ARCache = dict[tuple[str, tuple[int, ...], int], list[int]]
+
+
+@pytest.fixture(scope="module")
+def ar_cache() -> ARCache:
+    return {}
+
+
+def ar_tokens(cache: ARCache, dm: DartModel, ids: list[int], max_new: int) -> list[int]:
+    """``ar_generate``'s tokens: the target alone decides them, whatever drafter ``dm`` has."""
+    key = (str(dm.target.dtype), tuple(ids), max_new)
+    if key not in cache:
+        cache[key] = ar_generate(dm, input_ids=ids, max_new_tokens=max_new).tokens
+    return cache[key]
+
+
+def chat_ids(dm: DartModel, text: str) -> list[int]:
+    assert dm.template is not None
+    return dm.tokenizer(
+        dm.template.format(messages=[{"role": "user", "content": text}]),
+        add_special_tokens=False,
+    )["input_ids"]
+
+
 def compare_with_ar(
-    dm: DartModel, model: Any, dtype: torch.dtype, prompts: list[str], max_new: int
+    dm: DartModel,
+    model: Any,
+    dtype: torch.dtype,
+    prompts: list[str],
+    max_new: int,
+    cache: ARCache,
 ) -> tuple[int, list[Any], list[Any]]:
     """DART and AR greedy on each prompt: (identical count, divergences, DART results);
     every divergence is asserted to be a near-tie of the target's logits."""
     matched, report, results = 0, [], []
     for text in prompts:
-        ids = dm.tokenizer(
-            dm.template.format(messages=[{"role": "user", "content": text}]),
-            add_special_tokens=False,
-        )["input_ids"]
+        ids = chat_ids(dm, text)
         got = dart_generate(dm, input_ids=ids, max_new_tokens=max_new)
-        ar = ar_generate(dm, input_ids=ids, max_new_tokens=max_new)
+        ar = ar_tokens(cache, dm, ids, max_new)
         assert max(got.tree_sizes[1:], default=1) > 1
-        divergence = check_near_tie(model, ids, got.tokens, ar.tokens, dtype, text)
+        divergence = check_near_tie(model, ids, got.tokens, ar, dtype, text)
         matched += divergence is None
         if divergence is not None:
             report.append((text, *divergence))
@@ -209,7 +237,7 @@ def compare_with_ar(
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_smollm2_dart_with_real_pruner_and_ngram(
-    dtype: torch.dtype, sharegpt_ngram: Any, request: pytest.FixtureRequest
+    dtype: torch.dtype, sharegpt_ngram: Any, ar_cache: ARCache, request: pytest.FixtureRequest
 ) -> None:
     """End to end with the Rust pruner over an n-gram built from real ShareGPT text: 5/5
     identical to AR where exactness is promised, else every divergence a near-tie."""
@@ -219,7 +247,7 @@ def test_smollm2_dart_with_real_pruner_and_ngram(
     head = DartHead.random_init(model.config, draft_length=7, draft_vocab_size=8192, seed=0)
     dm = DartModel(model, head.to(dtype), tokenizer=tok, ngram=sharegpt_ngram)
     try:
-        matched, report, _ = compare_with_ar(dm, model, dtype, PROMPTS[:5], MAX_NEW)
+        matched, report, _ = compare_with_ar(dm, model, dtype, PROMPTS[:5], MAX_NEW, ar_cache)
     finally:
         dm.target.close()
     print(f"\nSmolLM2 {dtype} with the real pruner: {matched}/5 identical to AR; {report}")
@@ -227,10 +255,14 @@ def test_smollm2_dart_with_real_pruner_and_ngram(
         assert matched == 5, f"greedy DART differs from AR on {5 - matched} prompts: {report}"
 
 
-def tau_and_equality(dm: DartModel, model: Any, what: str) -> tuple[float, int, str]:
+def tau_and_equality(
+    dm: DartModel, model: Any, what: str, cache: ARCache
+) -> tuple[float, int, str]:
     """tau over the first five prompts (48 tokens, bf16) and how many equal AR's output."""
     try:
-        matched, report, results = compare_with_ar(dm, model, torch.bfloat16, PROMPTS[:5], 48)
+        matched, report, results = compare_with_ar(
+            dm, model, torch.bfloat16, PROMPTS[:5], 48, cache
+        )
     finally:
         dm.target.close()
     steps = sum(r.steps for r in results)
@@ -246,7 +278,9 @@ SHIPPED_TAU_FLOOR = 1.8
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_shipped_head_end_to_end(smollm2_bf16: Any, sharegpt_ngram: Any) -> None:
+def test_the_shipped_head_end_to_end(
+    smollm2_bf16: Any, sharegpt_ngram: Any, ar_cache: ARCache
+) -> None:
     """The head shipped in the package, loaded as users load it, drafts for the real target:
     a sensible acceptance (a wrong layout, stale weights or a broken draft path fall to a
     random head's ~1.1), and greedy output equal to AR up to near-ties."""
@@ -255,7 +289,7 @@ def test_the_shipped_head_end_to_end(smollm2_bf16: Any, sharegpt_ngram: Any) -> 
     model, tok = smollm2_bf16
     head = DartHead.from_pretrained(shipped_head())
     dm = DartModel(model, head, tokenizer=tok, ngram=sharegpt_ngram)
-    tau, matched, report = tau_and_equality(dm, model, "shipped head")
+    tau, matched, report = tau_and_equality(dm, model, "shipped head", ar_cache)
     assert tau >= SHIPPED_TAU_FLOOR, f"the shipped head accepts too little: tau {tau:.2f}"
     if exact_is_promised(torch.bfloat16):
         assert matched == 5, report
@@ -268,7 +302,7 @@ SHIPPED_EAGLE3_TAU_FLOOR = 1.35
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_shipped_eagle3_head_end_to_end(smollm2_bf16: Any) -> None:
+def test_the_shipped_eagle3_head_end_to_end(smollm2_bf16: Any, ar_cache: ARCache) -> None:
     """The EAGLE-3 head shipped in the package, loaded strictly as users load it, drafts for
     the real target through the one loop: greedy output equal to AR up to near-ties, and an
     acceptance above a random head's."""
@@ -277,14 +311,16 @@ def test_the_shipped_eagle3_head_end_to_end(smollm2_bf16: Any) -> None:
 
     model, tok = smollm2_bf16
     dm = DartModel(model, tokenizer=tok, eagle3=Eagle3Head.from_pretrained(SHIPPED_EAGLE3_DIR))
-    tau, matched, report = tau_and_equality(dm, model, "shipped EAGLE-3 head")
+    tau, matched, report = tau_and_equality(dm, model, "shipped EAGLE-3 head", ar_cache)
     assert tau >= SHIPPED_EAGLE3_TAU_FLOOR, f"the EAGLE-3 head accepts too little: tau {tau:.2f}"
     if exact_is_promised(torch.bfloat16):
         assert matched == 5, report
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_static_path_on_the_embedded_default(smollm2_bf16: Any, sharegpt_ngram: Any) -> None:
+def test_the_static_path_on_the_embedded_default(
+    smollm2_bf16: Any, sharegpt_ngram: Any, ar_cache: ARCache
+) -> None:
     """The static path (the default on cuda) on the embedded default, run eagerly here: the
     shipped head's drafts from the padded in-program draft keep its acceptance, and every
     output equals AR's (dynamic path) up to near-ties of the target's logits."""
@@ -297,15 +333,10 @@ def test_the_static_path_on_the_embedded_default(smollm2_bf16: Any, sharegpt_ngr
     steps, accepted, matched = 0, 0, 0
     try:
         for text in PROMPTS[:3]:
-            ids = tok(
-                dm.template.format(messages=[{"role": "user", "content": text}]),
-                add_special_tokens=False,
-            )["input_ids"]
+            ids = chat_ids(dm, text)
             got = dart_generate(dm, input_ids=ids, max_new_tokens=32, static=True)
-            ar = ar_generate(dm, input_ids=ids, max_new_tokens=32, static=False)
-            matched += (
-                check_near_tie(model, ids, got.tokens, ar.tokens, torch.bfloat16, text) is None
-            )
+            ar = ar_tokens(ar_cache, dm, ids, 32)  # the dynamic path: static is off on the CPU
+            matched += check_near_tie(model, ids, got.tokens, ar, torch.bfloat16, text) is None
             steps += got.steps
             accepted += sum(got.accept_lengths[1:])
     finally:
@@ -316,7 +347,7 @@ def test_the_static_path_on_the_embedded_default(smollm2_bf16: Any, sharegpt_ngr
 
 @pytest.mark.usefixtures("one_thread")
 def test_batched_dart_and_ar_equal_each_prompt_alone(
-    smollm2_bf16: Any, sharegpt_ngram: Any
+    smollm2_bf16: Any, sharegpt_ngram: Any, ar_cache: ARCache
 ) -> None:
     """Fused batches of 4 ragged prompts on the real bf16 target with the shipped head: every
     row's greedy output equals that prompt decoded alone (AR), bit for bit where exactness is
@@ -329,17 +360,10 @@ def test_batched_dart_and_ar_equal_each_prompt_alone(
     dm = DartModel(
         model, DartHead.from_pretrained(shipped_head()), tokenizer=tok, ngram=sharegpt_ngram
     )
-    assert dm.template is not None
-    prompts = [
-        dm.tokenizer(
-            dm.template.format(messages=[{"role": "user", "content": text}]),
-            add_special_tokens=False,
-        )["input_ids"]
-        for text in PROMPTS[:4]
-    ]
+    prompts = [chat_ids(dm, text) for text in PROMPTS[:4]]
     assert len({len(p) for p in prompts}) > 1
     try:
-        alone = [ar_generate(dm, input_ids=p, max_new_tokens=32).tokens for p in prompts]
+        alone = [ar_tokens(ar_cache, dm, p, 32) for p in prompts]
         ar = dm.generate_batch(prompts, mode="ar", max_new_tokens=32)
         for budget in (11, 16):
             got = dm.generate_batch(prompts, max_new_tokens=32, tree_budget=budget)
