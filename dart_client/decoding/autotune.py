@@ -124,24 +124,32 @@ class TreeBudgetTuning:
 
     def table(self) -> str:
         """The curve as a Markdown table (the chosen budget marked)."""
-        lines = [
-            "| budget | verify ms | draft + prune ms | est. tau | est. tok/s | est. speedup |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in self.curve:
-            mark = " **(chosen)**" if p.budget == self.best_budget else ""
-            lines.append(
-                f"| {p.budget}{mark} | {p.verify_ms:.2f} | {p.draft_ms + p.prune_ms:.2f} | "
-                f"{p.tau:.2f} | {p.tokens_per_s:.1f} | {p.speedup:.2f}x |"
-            )
+        return budget_tuning_table(self.to_dict())
+
+
+def budget_tuning_table(t: dict[str, Any]) -> str:
+    """A :class:`TreeBudgetTuning` (as its dict, e.g. from a benchmark's JSON) as a Markdown
+    table, the chosen budget marked, then what was measured and the tuning's notes."""
+    lines = [
+        "| budget | verify ms | draft + prune ms | est. tau | est. tok/s | est. speedup |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in t["curve"]:
+        mark = " **(chosen)**" if p["budget"] == t["best_budget"] else ""
         lines.append(
-            f"\nOne autoregressive forward{f' of {self.batch} rows' if self.batch > 1 else ''}: "
-            f"{self.ar_forward_ms:.2f} ms at "
-            f"{self.context_tokens} cached tokens ({self.device}, {self.dtype}, "
-            f"{self.threads} threads); {self.calibration_tokens} calibration tokens over "
-            f"{self.calibration_prompts} prompts; tuned in {self.seconds:.1f} s."
+            f"| {p['budget']}{mark} | {p['verify_ms']:.2f} | "
+            f"{p['draft_ms'] + p['prune_ms']:.2f} | {p['tau']:.2f} | "
+            f"{p['tokens_per_s']:.1f} | {p['speedup']:.2f}x |"
         )
-        return "\n".join(lines)
+    batch = t.get("batch", 1)
+    lines.append(
+        f"\nOne autoregressive forward{f' of {batch} rows' if batch > 1 else ''}: "
+        f"{t['ar_forward_ms']:.2f} ms at {t['context_tokens']} cached tokens ({t['device']}, "
+        f"{t['dtype']}, {t['threads']} threads); {t['calibration_tokens']} calibration tokens "
+        f"over {t['calibration_prompts']} prompts; tuned in {t['seconds']:.1f} s."
+    )
+    lines += [f"\n{n}" for n in t.get("notes", [])]
+    return "\n".join(lines)
 
 
 def _as_dict(tuning: Any) -> dict[str, Any]:

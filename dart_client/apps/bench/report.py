@@ -119,13 +119,13 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append("")
     if record["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in record["notes"]] + [""]
+    from dart_client.decoding.autotune import budget_tuning_table, eagle3_tuning_table
+
     tuning = record.get("tree_budget_tuning")
     if tuning:
-        lines += ["## Tree budget (auto)", "", _tuning_table(tuning), ""]
+        lines += ["## Tree budget (auto)", "", budget_tuning_table(tuning), ""]
     eagle3_tuning = record.get("eagle3_tree_tuning")
     if eagle3_tuning:
-        from dart_client.decoding.autotune import eagle3_tuning_table
-
         table = eagle3_tuning_table(eagle3_tuning, rows=12)
         lines += ["## EAGLE-3 tree (eagle3-auto), the 12 fastest", "", table, ""]
     methods = record["methods"]
@@ -139,26 +139,6 @@ def _load(load: Any) -> str:
 
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{100 * v:.0f}%"
-
-
-def _tuning_table(t: dict[str, Any]) -> str:
-    rows = [
-        "| budget | verify ms | draft + prune ms | est. tau | est. tok/s | est. speedup |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for p in t["curve"]:
-        mark = " **(chosen)**" if p["budget"] == t["best_budget"] else ""
-        rows.append(
-            f"| {p['budget']}{mark} | {p['verify_ms']:.2f} | "
-            f"{p['draft_ms'] + p['prune_ms']:.2f} | {p['tau']:.2f} | "
-            f"{p['tokens_per_s']:.1f} | {p['speedup']:.2f}x |"
-        )
-    rows.append(
-        f"\nOne autoregressive forward: {t['ar_forward_ms']:.2f} ms at {t['context_tokens']} "
-        f"cached tokens; tuned in {t['seconds']:.1f} s on {t['calibration_tokens']} tokens."
-    )
-    rows += [f"\n{n}" for n in t.get("notes", [])]
-    return "\n".join(rows)
 
 
 # -- plots ---------------------------------------------------------------------------------------
