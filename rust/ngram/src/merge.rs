@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use crate::error::{NGramError, Result};
-use crate::model::{hex, NGramModel};
+use crate::model::{hex, NGramModel, OrderChunks};
 use crate::writer::{
     write_model_in_ranges, CountStream, KeyRange, ModelMeta, WriteOptions, WriteReport,
 };
@@ -172,7 +172,7 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
                 .map(|n| {
                     let sources = models
                         .iter()
-                        .map(|m| m.iter_order_from(n, w[0]..w[1]))
+                        .map(|m| m.chunks_from(n, w[0]..w[1]))
                         .collect();
                     Box::new(KMerge::new(sources, output).filter(move |r| match r {
                         Ok((_, c)) => *c >= min_count,
@@ -228,35 +228,42 @@ fn split_points(models: &[NGramModel], ranges: usize) -> Result<Vec<u32>> {
 /// A [`KMerge`] key past every `u64` key: an exhausted source.
 const DONE: u128 = u128::MAX;
 
-/// Sums equal keys across several ascending `(key, count)` streams, with a tournament tree
-/// of the streams' heads: taking the smallest key costs `log2(k)` comparisons of plain
-/// integers, and no heap entries move.
-struct KMerge<'p, I> {
-    sources: Vec<I>,
+/// Sums equal keys across several orders' chunks, ascending by key, with a tournament tree
+/// of losers over the sources' heads: taking the smallest key costs `log2(k)` comparisons of
+/// plain integers against the losers on one path (loads that do not wait on each other), and
+/// no heap entries move. Heads are read straight from each source's decoded chunk.
+struct KMerge<'p, 'm> {
+    sources: Vec<OrderChunks<'m>>,
+    /// Each source's decoded chunk and the position of its head in it.
+    chunks: Vec<Vec<(u64, u64)>>,
+    pos: Vec<usize>,
     /// Each source's current key, [`DONE`] once it is exhausted (above every key, so the
     /// comparisons are plain integer ones), and count.
     keys: Vec<u128>,
     counts: Vec<u64>,
-    /// `tree[1]` is the source with the smallest head; node `j`'s children are `2j`, `2j+1`;
-    /// leaves (`leaves..2 * leaves`) are the sources, padded with exhausted ones.
-    tree: Vec<usize>,
+    /// `losers[j]` lost the match at node `j` (`1..leaves`; node `j`'s children are `2j`,
+    /// `2j+1`, leaves `leaves..2 * leaves` are the sources, padded with exhausted ones);
+    /// `winner` has the smallest head.
+    losers: Vec<usize>,
+    winner: usize,
     leaves: usize,
     primed: bool,
     failed: bool,
     output: &'p Path,
 }
 
-impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
-    fn new(sources: Vec<I>, output: &'p Path) -> Self {
+impl<'p, 'm> KMerge<'p, 'm> {
+    fn new(sources: Vec<OrderChunks<'m>>, output: &'p Path) -> Self {
         let n = sources.len();
         let leaves = n.next_power_of_two();
         KMerge {
+            chunks: vec![Vec::new(); n],
+            pos: vec![0; n],
             sources,
             keys: vec![DONE; leaves],
             counts: vec![0; leaves],
-            tree: (0..2 * leaves)
-                .map(|j| j.saturating_sub(leaves).min(leaves - 1))
-                .collect(),
+            losers: vec![0; leaves],
+            winner: 0,
             leaves,
             primed: false,
             failed: false,
@@ -264,21 +271,25 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         }
     }
 
-    /// The source with the smaller head of `a` and `b` (exhausted ones last).
-    #[inline(always)]
-    fn better(&self, a: usize, b: usize) -> usize {
-        if self.keys[b] < self.keys[a] {
-            b
-        } else {
-            a
-        }
-    }
-
-    /// Reads source `i`'s next head.
+    /// Reads source `i`'s next head: from its chunk, or a new chunk at the chunk's end.
     #[inline(always)]
     fn load(&mut self, i: usize) -> Result<()> {
-        match self.sources[i].next().transpose()? {
-            Some((k, c)) => {
+        let p = self.pos[i] + 1;
+        if let Some(&(k, c)) = self.chunks[i].get(p) {
+            self.pos[i] = p;
+            self.keys[i] = u128::from(k);
+            self.counts[i] = c;
+            return Ok(());
+        }
+        self.refill(i)
+    }
+
+    #[inline(never)]
+    fn refill(&mut self, i: usize) -> Result<()> {
+        self.sources[i].refill(&mut self.chunks[i])?;
+        self.pos[i] = 0;
+        match self.chunks[i].first() {
+            Some(&(k, c)) => {
                 self.keys[i] = u128::from(k);
                 self.counts[i] = c;
             }
@@ -287,15 +298,23 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         Ok(())
     }
 
-    /// Advances source `i` and replays its path to the root.
+    /// Advances the winner, source `i`, and replays its path to the root against the losers
+    /// there (equal keys in any order: their counts are summed).
     #[inline]
     fn pull(&mut self, i: usize) -> Result<()> {
         self.load(i)?;
+        let (mut w, mut wkey) = (i, self.keys[i]);
         let mut j = (self.leaves + i) / 2;
         while j >= 1 {
-            self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+            let l = self.losers[j];
+            let lkey = self.keys[l];
+            // Which source wins is a coin toss to the branch predictor: select, don't jump.
+            let swap = lkey < wkey;
+            self.losers[j] = std::hint::select_unpredictable(swap, w, l);
+            (w, wkey) = std::hint::select_unpredictable(swap, (l, lkey), (w, wkey));
             j /= 2;
         }
+        self.winner = w;
         Ok(())
     }
 
@@ -303,13 +322,25 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         if !self.primed {
             self.primed = true;
             for i in 0..self.sources.len() {
-                self.load(i)?;
+                self.refill(i)?;
             }
+            // Winners of every match, bottom up; each node keeps its loser.
+            let mut won: Vec<usize> = (0..2 * self.leaves)
+                .map(|j| j.saturating_sub(self.leaves))
+                .collect();
             for j in (1..self.leaves).rev() {
-                self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+                let (a, b) = (won[2 * j], won[2 * j + 1]);
+                let (w, l) = if self.keys[b] < self.keys[a] {
+                    (b, a)
+                } else {
+                    (a, b)
+                };
+                won[j] = w;
+                self.losers[j] = l;
             }
+            self.winner = won[1];
         }
-        let i = self.tree[1];
+        let i = self.winner;
         let key = self.keys[i];
         if key == DONE {
             return Ok(None);
@@ -317,7 +348,7 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         let mut sum = self.counts[i];
         self.pull(i)?;
         loop {
-            let j = self.tree[1];
+            let j = self.winner;
             if self.keys[j] != key {
                 return Ok(Some((key as u64, sum)));
             }
@@ -332,7 +363,7 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
     }
 }
 
-impl<I: Iterator<Item = Result<(u64, u64)>>> Iterator for KMerge<'_, I> {
+impl Iterator for KMerge<'_, '_> {
     type Item = Result<(u64, u64)>;
 
     #[inline]

@@ -1489,26 +1489,13 @@ impl NGramModel {
         n: usize,
         first: std::ops::Range<u32>,
     ) -> impl Iterator<Item = Result<(u64, u64)>> + '_ {
-        let mut it = OrderIter::new(self, n);
-        if it.error.is_none() {
-            if n == 1 {
-                let v = u64::from(self.vocab_size());
-                it.next = u64::from(first.start).min(v);
-                it.end = u64::from(first.end).min(v);
-            } else {
-                match (
-                    self.first_entry(n, first.start),
-                    self.first_entry(n, first.end),
-                ) {
-                    (Ok(lo), Ok(hi)) => {
-                        it.next = lo;
-                        it.end = hi.max(lo);
-                    }
-                    (Err(e), _) | (_, Err(e)) => it.error = Some(e),
-                }
-            }
-        }
-        it
+        OrderIter::in_range(self, n, first)
+    }
+
+    /// [`Self::iter_order_from`] a decoded chunk at a time, for `n >= 2`: a k-way merge reads
+    /// its heads straight from the chunks.
+    pub fn chunks_from(&self, n: usize, first: std::ops::Range<u32>) -> OrderChunks<'_> {
+        OrderChunks(OrderIter::in_range(self, n, first))
     }
 
     /// Index of the first order-`n` entry whose first token is `t` or above (the entries
@@ -1732,6 +1719,27 @@ struct OrderIter<'m> {
 }
 
 impl<'m> OrderIter<'m> {
+    /// The entries of order `n` whose first token is in `first`.
+    fn in_range(m: &'m NGramModel, n: usize, first: std::ops::Range<u32>) -> Self {
+        let mut it = OrderIter::new(m, n);
+        if it.error.is_none() {
+            if n == 1 {
+                let v = u64::from(m.vocab_size());
+                it.next = u64::from(first.start).min(v);
+                it.end = u64::from(first.end).min(v);
+            } else {
+                match (m.first_entry(n, first.start), m.first_entry(n, first.end)) {
+                    (Ok(lo), Ok(hi)) => {
+                        it.next = lo;
+                        it.end = hi.max(lo);
+                    }
+                    (Err(e), _) | (_, Err(e)) => it.error = Some(e),
+                }
+            }
+        }
+        it
+    }
+
     fn new(m: &'m NGramModel, n: usize) -> Self {
         let error = (n == 0 || n > m.order()).then(|| {
             NGramError::InvalidArgument(format!(
@@ -1906,6 +1914,42 @@ impl Iterator for OrderIter<'_> {
         }
         self.done = true;
         self.error.take().map(Err)
+    }
+}
+
+/// The entries of one order >= 2 a decoded chunk at a time ([`NGramModel::chunks_from`]).
+pub struct OrderChunks<'m>(OrderIter<'m>);
+
+impl OrderChunks<'_> {
+    /// Replaces `buf` with the next entries in key order (empty at the end; an error comes
+    /// after the entries decoded before it).
+    pub fn refill(&mut self, buf: &mut Vec<(u64, u64)>) -> Result<()> {
+        let it = &mut self.0;
+        buf.clear();
+        if let Some(e) = it.error.take() {
+            it.done = true;
+            return Err(e);
+        }
+        if it.done {
+            return Ok(());
+        }
+        if it.n < 2 {
+            it.done = true;
+            return Err(NGramError::InvalidArgument(
+                "order 1 is not read in chunks".into(),
+            ));
+        }
+        std::mem::swap(&mut it.buf, buf);
+        let filled = it.fill();
+        std::mem::swap(&mut it.buf, buf);
+        if let Err(e) = filled {
+            if buf.is_empty() {
+                it.done = true;
+                return Err(e);
+            }
+            it.error = Some(e);
+        }
+        Ok(())
     }
 }
 

@@ -298,7 +298,17 @@ fn write_model_ranges(
         unigrams,
         last_tokens: Vec::new(),
     };
-    spool.spool_ranges(ranges, meta.order, threads)?;
+    let pool = if threads > 1 {
+        Some(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .map_err(|e| NGramError::InvalidArgument(format!("thread pool: {e}")))?,
+        )
+    } else {
+        None
+    };
+    spool.spool_ranges(ranges, meta.order, pool.as_ref())?;
 
     // Per-order records and the section layout.
     let n_max = meta.order;
@@ -400,9 +410,12 @@ fn write_model_ranges(
         starts.push(offset);
         offset += len;
     }
-    let mut done: Vec<Option<(u64, u64)>> = vec![None; layout.len()];
+    // The passes: a section alone, or the columns of order n read from its spool in one
+    // pass (with threads, one pass per column group, so that they run at once).
+    let mut passes: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut planned = vec![false; layout.len()];
     for i in 0..layout.len() {
-        if done[i].is_some() {
+        if planned[i] {
             continue;
         }
         let (kind, order, _) = layout[i];
@@ -410,26 +423,58 @@ fn write_model_ranges(
             SectionKind::ChildBuckets => order as usize + 1,
             k if Spool::is_column(k) => order as usize,
             _ => {
-                let mut w = SectionWriter::new(&file, starts[i]);
-                spool.write_section(&mut w, kind, order as usize, &header)?;
-                done[i] = Some(w.finish().map_err(io)?);
+                planned[i] = true;
+                passes.push((0, vec![i]));
                 continue;
             }
         };
-        // This pass's sections, by kind.
-        let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = layout
-            .iter()
-            .enumerate()
-            .filter(|&(_, &(k, o, _))| {
-                (Spool::is_column(k) && o as usize == n)
-                    || (k == SectionKind::ChildBuckets && o as usize + 1 == n)
-            })
-            .map(|(j, &(k, _, _))| (j, k, SectionWriter::new(&file, starts[j])))
-            .collect();
-        spool.write_columns(n, &header, &mut writers)?;
-        for (j, _, w) in writers {
-            done[j] = Some(w.finish().map_err(io)?);
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (j, &(k, o, _)) in layout.iter().enumerate() {
+            let group = match k {
+                SectionKind::ChildBuckets if o as usize + 1 == n => 0,
+                SectionKind::Tokens if o as usize == n => 1,
+                SectionKind::CountCodes | SectionKind::CountEscapes | SectionKind::CountRanks
+                    if o as usize == n =>
+                {
+                    2
+                }
+                _ => continue,
+            };
+            planned[j] = true;
+            let g = if threads <= 1 { 0 } else { group };
+            if groups.len() <= g {
+                groups.resize(g + 1, Vec::new());
+            }
+            groups[g].push(j);
         }
+        passes.extend(groups.into_iter().filter(|g| !g.is_empty()).map(|g| (n, g)));
+    }
+    let run = |(n, sections): &(usize, Vec<usize>)| -> Result<Vec<(usize, (u64, u64))>> {
+        let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = sections
+            .iter()
+            .map(|&j| (j, layout[j].0, SectionWriter::new(&file, starts[j])))
+            .collect();
+        if *n == 0 {
+            let (_, kind, w) = &mut writers[0];
+            spool.write_section(w, *kind, layout[sections[0]].1 as usize, &header)?;
+        } else {
+            spool.write_columns(*n, &header, &mut writers)?;
+        }
+        writers
+            .into_iter()
+            .map(|(j, _, w)| Ok((j, w.finish().map_err(io)?)))
+            .collect()
+    };
+    let written: Vec<Vec<(usize, (u64, u64))>> = match &pool {
+        None => passes.iter().map(run).collect::<Result<_>>()?,
+        Some(pool) => {
+            use rayon::prelude::*;
+            pool.install(|| passes.par_iter().map(run).collect::<Result<_>>())?
+        }
+    };
+    let mut done: Vec<Option<(u64, u64)>> = vec![None; layout.len()];
+    for (j, d) in written.into_iter().flatten() {
+        done[j] = Some(d);
     }
     for (i, &(kind, order, len)) in layout.iter().enumerate() {
         let (checksum, written) = done[i].expect("every section written");
@@ -599,7 +644,7 @@ enum Parents<'a> {
         next: u64,
     },
     Spooled {
-        r: BufReader<File>,
+        r: SpoolReader<'a>,
         left: u64,
     },
 }
@@ -633,7 +678,7 @@ impl Parents<'_> {
 /// Reads `N` bytes, straight from the buffer when it holds them (the generic `read_exact`
 /// costs more than the decode on these 8- and 16-byte records).
 #[inline(always)]
-fn read_array<const N: usize>(r: &mut BufReader<File>) -> io::Result<[u8; N]> {
+fn read_array<const N: usize>(r: &mut SpoolReader<'_>) -> io::Result<[u8; N]> {
     let mut b = [0u8; N];
     if let Some(s) = r.buffer().get(..N) {
         b.copy_from_slice(s);
@@ -645,7 +690,7 @@ fn read_array<const N: usize>(r: &mut BufReader<File>) -> io::Result<[u8; N]> {
 }
 
 #[inline(always)]
-fn read_pair(r: &mut BufReader<File>) -> io::Result<(u64, u64)> {
+fn read_pair(r: &mut SpoolReader<'_>) -> io::Result<(u64, u64)> {
     let b = read_array::<16>(r)?;
     Ok((
         u64::from_le_bytes(b[..8].try_into().expect("8")),
@@ -654,7 +699,7 @@ fn read_pair(r: &mut BufReader<File>) -> io::Result<(u64, u64)> {
 }
 
 #[inline(always)]
-fn read_u64(r: &mut BufReader<File>) -> io::Result<u64> {
+fn read_u64(r: &mut SpoolReader<'_>) -> io::Result<u64> {
     Ok(u64::from_le_bytes(read_array::<8>(r)?))
 }
 
@@ -680,10 +725,26 @@ impl RankOf<'_> {
     }
 }
 
-fn rewind(f: &File) -> io::Result<BufReader<File>> {
-    let mut f = f.try_clone()?;
-    f.seek(SeekFrom::Start(0))?;
-    Ok(BufReader::with_capacity(SPOOL_BUF, f))
+/// A spooled file read from its start with `pread`: passes on several threads read one file
+/// at once (a cloned descriptor would share its offset).
+struct Spooled<'f> {
+    file: &'f File,
+    at: u64,
+}
+
+impl Read for Spooled<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+type SpoolReader<'f> = BufReader<Spooled<'f>>;
+
+fn rewind(file: &File) -> SpoolReader<'_> {
+    BufReader::with_capacity(SPOOL_BUF, Spooled { file, at: 0 })
 }
 
 impl Spool<'_> {
@@ -726,7 +787,7 @@ impl Spool<'_> {
         &mut self,
         ranges: Vec<KeyRange<'_>>,
         order: usize,
-        threads: usize,
+        pool: Option<&rayon::ThreadPool>,
     ) -> Result<()> {
         let this = &*self;
         let one = |r: KeyRange<'_>| -> Result<(Vec<PartOut>, Vec<u64>)> {
@@ -740,15 +801,12 @@ impl Spool<'_> {
             }
             Ok((parts, last_tokens))
         };
-        let spooled: Vec<(Vec<PartOut>, Vec<u64>)> = if threads <= 1 || ranges.len() <= 1 {
-            ranges.into_iter().map(one).collect::<Result<_>>()?
-        } else {
-            use rayon::prelude::*;
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .map_err(|e| NGramError::InvalidArgument(format!("thread pool: {e}")))?;
-            pool.install(|| ranges.into_par_iter().map(one).collect::<Result<_>>())?
+        let spooled: Vec<(Vec<PartOut>, Vec<u64>)> = match pool {
+            Some(pool) if ranges.len() > 1 => {
+                use rayon::prelude::*;
+                pool.install(|| ranges.into_par_iter().map(one).collect::<Result<_>>())?
+            }
+            _ => ranges.into_iter().map(one).collect::<Result<_>>()?,
         };
         let mut last_tokens = vec![0u64; self.vocab_size as usize];
         let mut by_order: Vec<Vec<PartOut>> = (2..=order).map(|_| Vec::new()).collect();
@@ -820,7 +878,7 @@ impl Spool<'_> {
         let mut most = 0;
         let mut base = 0u64;
         for p in parts {
-            let mut offs = rewind(&p.parent_offsets)?;
+            let mut offs = rewind(&p.parent_offsets);
             let mut lo = read_u64(&mut offs)?;
             for _ in 0..p.parents {
                 let hi = read_u64(&mut offs)?;
@@ -858,7 +916,7 @@ impl Spool<'_> {
             ),
             Some(prev) => (
                 Parents::Spooled {
-                    r: rewind(&prev.raw).map_err(|e| self.io(e))?,
+                    r: rewind(&prev.raw),
                     left: prev.entries,
                 },
                 prev.entries,
@@ -993,9 +1051,8 @@ impl Spool<'_> {
                 Some(f) => *f += 1,
                 None => *table.entry(count).or_insert(0) += 1,
             }
-            let mut pair = [0u8; 16];
-            pair[..8].copy_from_slice(&k.to_le_bytes());
-            pair[8..].copy_from_slice(&count.to_le_bytes());
+            // One 16-byte value: two 8-byte halves stored apart and copied as one stalled.
+            let pair = ((u128::from(count) << 64) | u128::from(k)).to_le_bytes();
             raw.write_all(&pair).map_err(|e| self.io(e))?;
             entries += 1;
         }
@@ -1070,7 +1127,7 @@ impl Spool<'_> {
                 _ => unreachable!("not a column section"),
             }
         }
-        let mut tokens = tokens.expect("every order >= 2 has tokens");
+
         let rank = level.rank_of();
         let width = rec.count_width;
         let keys = buckets.as_ref().map(|_| self.token_keys());
@@ -1080,9 +1137,9 @@ impl Spool<'_> {
         // Entries of order n before the part.
         let mut base = 0u64;
         for part in &level.parts {
-            let mut raw = rewind(&part.raw).map_err(io)?;
+            let mut raw = rewind(&part.raw);
             // The children of each parent in turn (the buckets are per parent).
-            let mut offs = rewind(&part.parent_offsets).map_err(io)?;
+            let mut offs = rewind(&part.parent_offsets);
             let mut lo = base + read_u64(&mut offs).map_err(io)?;
             for _ in 0..part.parents {
                 let hi = base + read_u64(&mut offs).map_err(io)?;
@@ -1090,7 +1147,9 @@ impl Spool<'_> {
                 for _ in lo..hi {
                     let (k, c) = read_pair(&mut raw).map_err(io)?;
                     let t = k & tok_mask;
-                    tokens.push(t).map_err(io)?;
+                    if let Some(p) = tokens.as_mut() {
+                        p.push(t).map_err(io)?;
+                    }
                     let r = rank.get(c);
                     if let Some(p) = ranks.as_mut() {
                         p.push(r).map_err(io)?;
@@ -1122,7 +1181,9 @@ impl Spool<'_> {
             }
             base += part.entries;
         }
-        tokens.finish().map_err(io)?;
+        if let Some(p) = tokens {
+            p.finish().map_err(io)?;
+        }
         if let Some(p) = ranks {
             p.finish().map_err(io)?;
         }
@@ -1180,7 +1241,7 @@ impl Spool<'_> {
                 p.push(0).map_err(io)?;
                 let mut base = 0;
                 for part in &self.levels[n - 1].parts {
-                    let mut r = rewind(&part.parent_offsets).map_err(io)?;
+                    let mut r = rewind(&part.parent_offsets);
                     read_u64(&mut r).map_err(io)?;
                     for _ in 0..part.parents {
                         p.push(base + read_u64(&mut r).map_err(io)?).map_err(io)?;
@@ -1194,7 +1255,7 @@ impl Spool<'_> {
                 let mut p = PackedWriter::new(out, width);
                 let mut base = 0;
                 for part in &self.levels[n - 1].parts {
-                    let mut r = rewind(&part.top_ids).map_err(io)?;
+                    let mut r = rewind(&part.top_ids);
                     for _ in 0..part.top_contexts {
                         p.push(base + read_u64(&mut r).map_err(io)?).map_err(io)?;
                     }
@@ -1221,7 +1282,7 @@ impl Spool<'_> {
             SectionKind::TopLists => {
                 let mut p = PackedWriter::new(out, rec.top_rel_width);
                 for part in &self.levels[n - 1].parts {
-                    let mut r = rewind(&part.top_lists).map_err(io)?;
+                    let mut r = rewind(&part.top_lists);
                     for _ in 0..part.top_contexts * u64::from(header.top_list_len) {
                         p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
                     }
