@@ -411,7 +411,7 @@ fn write_model_ranges(
         offset += len;
     }
     // The passes: a section alone, or the columns of order n read from its spool in one
-    // pass (with threads, one pass per column group, so that they run at once).
+    // pass (with SPLIT_PASSES_THREADS threads or more, one pass per column group, at once).
     let mut passes: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut planned = vec![false; layout.len()];
     for i in 0..layout.len() {
@@ -441,7 +441,13 @@ fn write_model_ranges(
                 _ => continue,
             };
             planned[j] = true;
-            let g = if threads <= 1 { 0 } else { group };
+            // Each group re-reads the spool (a fifth more CPU at 2 threads, where the orders'
+            // passes already fill the cores): split only with cores to spare.
+            let g = if threads < SPLIT_PASSES_THREADS {
+                0
+            } else {
+                group
+            };
             if groups.len() <= g {
                 groups.resize(g + 1, Vec::new());
             }
@@ -515,6 +521,44 @@ fn write_model_ranges(
         bytes: offset,
     })
 }
+
+/// n-grams ending in each token id, of one range: 32-bit counters (half the cache lines of
+/// 64-bit ones: the increment at a random id was the spool's costliest step), each wrap
+/// noted apart.
+struct LastTokens {
+    low: Vec<u32>,
+    wraps: Vec<u32>,
+}
+
+impl LastTokens {
+    fn new(vocab: usize) -> Self {
+        LastTokens {
+            low: vec![0; vocab],
+            wraps: Vec::new(),
+        }
+    }
+
+    #[inline(always)]
+    fn add(&mut self, t: usize) {
+        let c = &mut self.low[t];
+        *c = c.wrapping_add(1);
+        if *c == 0 {
+            self.wraps.push(t as u32);
+        }
+    }
+
+    fn add_to(&self, sums: &mut [u64]) {
+        for (a, &b) in sums.iter_mut().zip(&self.low) {
+            *a += u64::from(b);
+        }
+        for &t in &self.wraps {
+            sums[t as usize] += 1 << 32;
+        }
+    }
+}
+
+/// Threads from which an order's column groups are written by passes of their own.
+const SPLIT_PASSES_THREADS: usize = 4;
 
 /// One spooled order n >= 2, plus what its parents (order n-1) learned from it.
 struct Level {
@@ -790,8 +834,8 @@ impl Spool<'_> {
         pool: Option<&rayon::ThreadPool>,
     ) -> Result<()> {
         let this = &*self;
-        let one = |r: KeyRange<'_>| -> Result<(Vec<PartOut>, Vec<u64>)> {
-            let mut last_tokens = vec![0u64; this.vocab_size as usize];
+        let one = |r: KeyRange<'_>| -> Result<(Vec<PartOut>, LastTokens)> {
+            let mut last_tokens = LastTokens::new(this.vocab_size as usize);
             let mut parts: Vec<PartOut> = Vec::with_capacity(r.streams.len());
             for (i, stream) in r.streams.into_iter().enumerate() {
                 let prev = parts.last().map(|p| &p.part);
@@ -801,7 +845,7 @@ impl Spool<'_> {
             }
             Ok((parts, last_tokens))
         };
-        let spooled: Vec<(Vec<PartOut>, Vec<u64>)> = match pool {
+        let spooled: Vec<(Vec<PartOut>, LastTokens)> = match pool {
             Some(pool) if ranges.len() > 1 => {
                 use rayon::prelude::*;
                 pool.install(|| ranges.into_par_iter().map(one).collect::<Result<_>>())?
@@ -811,9 +855,7 @@ impl Spool<'_> {
         let mut last_tokens = vec![0u64; self.vocab_size as usize];
         let mut by_order: Vec<Vec<PartOut>> = (2..=order).map(|_| Vec::new()).collect();
         for (parts, lt) in spooled {
-            for (a, b) in last_tokens.iter_mut().zip(lt) {
-                *a += b;
-            }
+            lt.add_to(&mut last_tokens);
             for (i, p) in parts.into_iter().enumerate() {
                 by_order[i].push(p);
             }
@@ -900,7 +942,7 @@ impl Spool<'_> {
         first: std::ops::Range<u32>,
         prev: Option<&Part>,
         stream: CountStream<'_>,
-        last_tokens: &mut [u64],
+        last_tokens: &mut LastTokens,
     ) -> Result<PartOut> {
         let bits = self.bits;
         let tok_mask = (1u64 << bits) - 1;
@@ -1046,7 +1088,7 @@ impl Spool<'_> {
                 ));
             }
             sink.kids.push((count, sink.kids.len() as u64));
-            last_tokens[last as usize] += 1;
+            last_tokens.add(last as usize);
             match small.get_mut(count as usize) {
                 Some(f) => *f += 1,
                 None => *table.entry(count).or_insert(0) += 1,
@@ -1566,6 +1608,19 @@ mod tests {
         m.verify().unwrap();
         assert_eq!(m.prob(&[1], 2).unwrap(), (0.0, 0));
         assert!(m.top_k(&[1], 3).unwrap().is_empty());
+    }
+
+    #[test]
+    fn last_token_counts_carry_past_32_bits() {
+        let mut lt = LastTokens::new(4);
+        lt.low[2] = u32::MAX - 1;
+        for _ in 0..3 {
+            lt.add(2);
+        }
+        lt.add(0);
+        let mut sums = vec![5u64; 4];
+        lt.add_to(&mut sums);
+        assert_eq!(sums, [6, 5, 5 + (1 << 32) + 1, 5]);
     }
 
     #[test]
