@@ -13,6 +13,10 @@
 //! columns (the child buckets in a second pass, once every order's token keys are known); only
 //! the per-order table of distinct counts, the per-token key counts and one context's children
 //! are held in RAM.
+//!
+//! A producer may hand the n-grams over split by first token ([`write_model_in_ranges`]): the
+//! ranges are spooled on a thread pool, each order's ranges put together in key order, and the
+//! sections written by passes on the same pool; the bytes are the same as from one stream.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
