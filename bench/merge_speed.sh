@@ -6,8 +6,9 @@
 #
 #   bench/merge_speed.sh OLD_BIN NEW_BIN WORKDIR ROUNDS SHARD.ngram...
 #
-# OLD_BIN runs without --threads (binaries before it had none); NEW_BIN with --threads 1 and 2.
-# Set NICE (default 15).
+# Both binaries run with `--threads T` for each T in THREADS (default "1 2"); OLD_THREADS=""
+# runs OLD_BIN once without the flag (binaries before the fourth round had none). Set NICE
+# (default 15).
 set -euo pipefail
 OLD=${1:?usage: merge_speed.sh OLD_BIN NEW_BIN WORKDIR ROUNDS SHARD.ngram...}
 NEW=${2:?}
@@ -15,14 +16,20 @@ WORK=${3:?}
 ROUNDS=${4:?}
 shift 4
 NICE=${NICE:-15}
+THREADS=${THREADS:-1 2}
+OLD_THREADS=${OLD_THREADS-$THREADS}
+configs=()
+if [ -z "$OLD_THREADS" ]; then configs+=(old); fi
+for t in $OLD_THREADS; do configs+=("old-t$t"); done
+for t in $THREADS; do configs+=("new-t$t"); done
 mkdir -p "$WORK"
 printf 'round\tconfig\twall_s\tout_MB_per_s\tuser_s\tsys_s\tpeak_rss_MB\n'
 for r in $(seq 1 "$ROUNDS"); do
-    for cfg in old new-t1 new-t2; do
+    for cfg in "${configs[@]}"; do
         case $cfg in
             old) cmd=("$OLD" merge "$@" -o "$WORK/out.ngram") ;;
-            new-t1) cmd=("$NEW" merge "$@" -o "$WORK/out.ngram" --threads 1) ;;
-            new-t2) cmd=("$NEW" merge "$@" -o "$WORK/out.ngram" --threads 2) ;;
+            old-t*) cmd=("$OLD" merge "$@" -o "$WORK/out.ngram" --threads "${cfg#old-t}") ;;
+            new-t*) cmd=("$NEW" merge "$@" -o "$WORK/out.ngram" --threads "${cfg#new-t}") ;;
         esac
         rm -f "$WORK/out.ngram"
         /usr/bin/time -v -o "$WORK/time.txt" nice -n "$NICE" "${cmd[@]}" 2>/dev/null
@@ -32,7 +39,7 @@ for r in $(seq 1 "$ROUNDS"); do
         if [ -f "$WORK/first.ngram" ]; then
             cmp -s "$WORK/out.ngram" "$WORK/first.ngram" || { echo "$cfg: output differs" >&2; exit 1; }
         else
-            cp "$WORK/out.ngram" "$WORK/first.ngram"
+            mv "$WORK/out.ngram" "$WORK/first.ngram"
         fi
         printf '%s\t%s\t%s\t%.1f\t%s\t%s\t%d\n' "$r" "$cfg" "$wall" \
             "$(echo "$bytes / $wall / 1000000" | bc -l)" "$(field 'User time')" \

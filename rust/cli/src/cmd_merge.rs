@@ -24,9 +24,9 @@ pub struct Args {
     /// Length of the precomputed top-continuation lists.
     #[arg(long, default_value_t = 32)]
     pub top_list_len: u32,
-    /// Threads (default: all cores). 1 merges and writes on one thread; 2 or more merge the
-    /// inputs on their own threads while the model is written (more than 2 gain little).
-    /// The output is the same bytes whatever the number.
+    /// Threads (default: all cores). 1 merges on one thread; more split the n-grams by first
+    /// token into ranges of similar size (4 per thread) merged that many at a time. The
+    /// output is the same bytes whatever the number.
     #[arg(long)]
     pub threads: Option<usize>,
 }

@@ -582,8 +582,11 @@ pub struct CodedWriter<W: Write> {
     width: u32,
     per_word: u64,
     block: [u64; 8],
-    /// Values in the current block.
+    /// Values in the current block, and where the next one goes: its word in the block and
+    /// its shift there (kept as it goes: a division per value was a tenth of a merge).
     filled: u64,
+    word: usize,
+    shift: u32,
     escapes: u64,
     written: u64,
 }
@@ -600,6 +603,8 @@ impl<W: Write> CodedWriter<W> {
             per_word: u64::from(64 / width),
             block: [0; 8],
             filled: 0,
+            word: 1,
+            shift: 0,
             escapes: 0,
             written: 0,
         }
@@ -614,9 +619,12 @@ impl<W: Write> CodedWriter<W> {
         }
         let (code, escaped) = code_of(value, self.width);
         self.escapes += u64::from(escaped.is_some());
-        let word = self.filled / self.per_word;
-        let field = self.filled % self.per_word;
-        self.block[1 + word as usize] |= code << (field * u64::from(self.width));
+        self.block[self.word] |= code << self.shift;
+        self.shift += self.width;
+        if u64::from(self.shift) == self.per_word * u64::from(self.width) {
+            self.word += 1;
+            self.shift = 0;
+        }
         self.filled += 1;
         if self.filled == CODE_WORDS * self.per_word {
             self.flush_block()?;
@@ -630,6 +638,8 @@ impl<W: Write> CodedWriter<W> {
         }
         self.written += CODE_BLOCK_BYTES;
         self.filled = 0;
+        self.word = 1;
+        self.shift = 0;
         Ok(())
     }
 

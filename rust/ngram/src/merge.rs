@@ -5,11 +5,12 @@
 //! streamed into the writer, so memory stays bounded by the writer's needs.
 
 use std::path::Path;
-use std::sync::mpsc;
 
 use crate::error::{NGramError, Result};
-use crate::model::{hex, NGramModel};
-use crate::writer::{write_model, CountStream, ModelMeta, WriteOptions, WriteReport};
+use crate::model::{hex, NGramModel, OrderChunks};
+use crate::writer::{
+    write_model_in_ranges, CountStream, KeyRange, ModelMeta, WriteOptions, WriteReport,
+};
 
 /// How to merge.
 #[derive(Clone, Debug)]
@@ -26,9 +27,9 @@ pub struct MergeOptions {
     pub write: WriteOptions,
     /// Provenance stored in the output (default `"dart-ngram merge of N models"`).
     pub source: Option<String>,
-    /// Threads: 1 merges and writes on the calling thread; 2 or more merge each order's
-    /// inputs on a thread of its own, feeding the writer through a bounded queue. The output
-    /// is the same bytes whatever the number.
+    /// Threads: 1 merges and spools on the calling thread; more split the n-grams into
+    /// first-token ranges (balanced by the inputs' own offsets) merged and spooled that many
+    /// at a time. The output is the same bytes whatever the number.
     pub threads: usize,
 }
 
@@ -156,117 +157,113 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
             .clone()
             .unwrap_or_else(|| format!("dart-ngram merge of {} models", models.len())),
     };
-    let merged = |n: usize| {
-        KMerge::new(models.iter().map(|m| m.iter_order(n)).collect(), output).filter(move |r| {
-            match r {
-                Ok((_, c)) => *c >= min_count,
-                Err(_) => true,
-            }
-        })
+    let threads = opts.threads.max(1);
+    // More ranges than threads, so that uneven ranges even out over the cores.
+    let bounds = if threads == 1 {
+        vec![0, first.vocab_size()]
+    } else {
+        split_points(&models, threads * RANGES_PER_THREAD)?
     };
-    if opts.threads <= 1 {
-        let higher: Vec<CountStream<'_>> = (2..=first.order())
-            .map(|n| Box::new(merged(n)) as CountStream<'_>)
-            .collect();
-        return write_model(output, &meta, &unigrams, higher, &opts.write);
-    }
-    // One producer per order; the writer drains them in order, so only the order being
-    // written (and the queue of the next ones) is in flight: memory stays bounded.
-    std::thread::scope(|scope| {
-        let mut higher: Vec<CountStream<'_>> = Vec::new();
-        for n in 2..=first.order() {
-            let (tx, rx) = mpsc::sync_channel::<Result<Vec<(u64, u64)>>>(QUEUE_CHUNKS);
-            let merged = &merged;
-            scope.spawn(move || {
-                let mut it = merged(n);
-                loop {
-                    let mut chunk = Vec::with_capacity(CHUNK);
-                    let mut failed = None;
-                    for r in it.by_ref().take(CHUNK) {
-                        match r {
-                            Ok(v) => chunk.push(v),
-                            Err(e) => {
-                                failed = Some(e);
-                                break;
-                            }
-                        }
-                    }
-                    let last = chunk.len() < CHUNK || failed.is_some();
-                    // A closed queue means the writer stopped (an error): stop too.
-                    if !chunk.is_empty() && tx.send(Ok(chunk)).is_err() {
-                        return;
-                    }
-                    if let Some(e) = failed {
-                        let _ = tx.send(Err(e));
-                        return;
-                    }
-                    if last {
-                        return;
-                    }
-                }
-            });
-            higher.push(Box::new(rx.into_iter().flat_map(|r| match r {
-                Ok(chunk) => Chunk::Items(chunk.into_iter()),
-                Err(e) => Chunk::Failed(Some(e)),
-            })));
-        }
-        write_model(output, &meta, &unigrams, higher, &opts.write)
-    })
+    let ranges = bounds
+        .windows(2)
+        .map(|w| KeyRange {
+            first: w[0]..w[1],
+            streams: (2..=first.order())
+                .map(|n| {
+                    let sources = models
+                        .iter()
+                        .map(|m| m.chunks_from(n, w[0]..w[1]))
+                        .collect();
+                    Box::new(KMerge::new(sources, output).filter(move |r| match r {
+                        Ok((_, c)) => *c >= min_count,
+                        Err(_) => true,
+                    })) as CountStream<'_>
+                })
+                .collect(),
+        })
+        .collect();
+    write_model_in_ranges(output, &meta, &unigrams, ranges, &opts.write, threads)
 }
 
-/// n-grams a producer thread hands over at a time, and how many such chunks may wait.
-const CHUNK: usize = 1 << 14;
-const QUEUE_CHUNKS: usize = 4;
+/// First-token ranges per thread of a threaded merge.
+const RANGES_PER_THREAD: usize = 4;
 
-/// One message of a producer's queue, as stream items.
-enum Chunk {
-    Items(std::vec::IntoIter<(u64, u64)>),
-    Failed(Option<NGramError>),
-}
-
-impl Iterator for Chunk {
-    type Item = Result<(u64, u64)>;
-    #[inline]
-    fn next(&mut self) -> Option<Self::Item> {
-        match self {
-            Chunk::Items(it) => it.next().map(Ok),
-            Chunk::Failed(e) => e.take().map(Err),
+/// Token ids `0 = b[0] < b[1] < ... = vocab_size` splitting the inputs' n-grams of orders >= 2
+/// into about `ranges` runs of similar size, read from the inputs' child offsets.
+fn split_points(models: &[NGramModel], ranges: usize) -> Result<Vec<u32>> {
+    let vocab = models[0].vocab_size();
+    let order = models[0].order();
+    // n-grams of orders >= 2 whose first token is below `t`, over every input.
+    let below = |t: u32| -> Result<u64> {
+        let mut sum = 0u64;
+        for m in models {
+            for n in 2..=order {
+                sum = sum.saturating_add(m.first_entry(n, t)?);
+            }
+        }
+        Ok(sum)
+    };
+    let total = below(vocab)?;
+    let mut bounds = vec![0u32];
+    for j in 1..ranges as u64 {
+        let target = (u128::from(total) * u128::from(j) / ranges as u128) as u64;
+        // The first token with at least `target` n-grams before it.
+        let (mut lo, mut hi) = (*bounds.last().expect("starts at 0"), vocab);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if below(mid)? < target {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        if lo > *bounds.last().expect("starts at 0") && lo < vocab {
+            bounds.push(lo);
         }
     }
+    bounds.push(vocab);
+    Ok(bounds)
 }
 
 /// A [`KMerge`] key past every `u64` key: an exhausted source.
 const DONE: u128 = u128::MAX;
 
-/// Sums equal keys across several ascending `(key, count)` streams, with a tournament tree
-/// of the streams' heads: taking the smallest key costs `log2(k)` comparisons of plain
-/// integers, and no heap entries move.
-struct KMerge<'p, I> {
-    sources: Vec<I>,
+/// Sums equal keys across several orders' chunks, ascending by key, with a tournament tree
+/// of losers over the sources' heads: taking the smallest key costs `log2(k)` comparisons of
+/// plain integers against the losers on one path (loads that do not wait on each other), and
+/// no heap entries move. Heads are read straight from each source's decoded chunk.
+struct KMerge<'p, 'm> {
+    sources: Vec<OrderChunks<'m>>,
+    /// Each source's decoded chunk and the position of its head in it.
+    chunks: Vec<Vec<(u64, u64)>>,
+    pos: Vec<usize>,
     /// Each source's current key, [`DONE`] once it is exhausted (above every key, so the
     /// comparisons are plain integer ones), and count.
     keys: Vec<u128>,
     counts: Vec<u64>,
-    /// `tree[1]` is the source with the smallest head; node `j`'s children are `2j`, `2j+1`;
-    /// leaves (`leaves..2 * leaves`) are the sources, padded with exhausted ones.
-    tree: Vec<usize>,
+    /// `losers[j]` lost the match at node `j` (`1..leaves`; node `j`'s children are `2j`,
+    /// `2j+1`, leaves `leaves..2 * leaves` are the sources, padded with exhausted ones);
+    /// `winner` has the smallest head.
+    losers: Vec<usize>,
+    winner: usize,
     leaves: usize,
     primed: bool,
     failed: bool,
     output: &'p Path,
 }
 
-impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
-    fn new(sources: Vec<I>, output: &'p Path) -> Self {
+impl<'p, 'm> KMerge<'p, 'm> {
+    fn new(sources: Vec<OrderChunks<'m>>, output: &'p Path) -> Self {
         let n = sources.len();
         let leaves = n.next_power_of_two();
         KMerge {
+            chunks: vec![Vec::new(); n],
+            pos: vec![0; n],
             sources,
             keys: vec![DONE; leaves],
             counts: vec![0; leaves],
-            tree: (0..2 * leaves)
-                .map(|j| j.saturating_sub(leaves).min(leaves - 1))
-                .collect(),
+            losers: vec![0; leaves],
+            winner: 0,
             leaves,
             primed: false,
             failed: false,
@@ -274,21 +271,25 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         }
     }
 
-    /// The source with the smaller head of `a` and `b` (exhausted ones last).
-    #[inline(always)]
-    fn better(&self, a: usize, b: usize) -> usize {
-        if self.keys[b] < self.keys[a] {
-            b
-        } else {
-            a
-        }
-    }
-
-    /// Reads source `i`'s next head.
+    /// Reads source `i`'s next head: from its chunk, or a new chunk at the chunk's end.
     #[inline(always)]
     fn load(&mut self, i: usize) -> Result<()> {
-        match self.sources[i].next().transpose()? {
-            Some((k, c)) => {
+        let p = self.pos[i] + 1;
+        if let Some(&(k, c)) = self.chunks[i].get(p) {
+            self.pos[i] = p;
+            self.keys[i] = u128::from(k);
+            self.counts[i] = c;
+            return Ok(());
+        }
+        self.refill(i)
+    }
+
+    #[inline(never)]
+    fn refill(&mut self, i: usize) -> Result<()> {
+        self.sources[i].refill(&mut self.chunks[i])?;
+        self.pos[i] = 0;
+        match self.chunks[i].first() {
+            Some(&(k, c)) => {
                 self.keys[i] = u128::from(k);
                 self.counts[i] = c;
             }
@@ -297,15 +298,23 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         Ok(())
     }
 
-    /// Advances source `i` and replays its path to the root.
+    /// Advances the winner, source `i`, and replays its path to the root against the losers
+    /// there (equal keys in any order: their counts are summed).
     #[inline]
     fn pull(&mut self, i: usize) -> Result<()> {
         self.load(i)?;
+        let (mut w, mut wkey) = (i, self.keys[i]);
         let mut j = (self.leaves + i) / 2;
         while j >= 1 {
-            self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+            let l = self.losers[j];
+            let lkey = self.keys[l];
+            // Which source wins is a coin toss to the branch predictor: select, don't jump.
+            let swap = lkey < wkey;
+            self.losers[j] = std::hint::select_unpredictable(swap, w, l);
+            (w, wkey) = std::hint::select_unpredictable(swap, (l, lkey), (w, wkey));
             j /= 2;
         }
+        self.winner = w;
         Ok(())
     }
 
@@ -313,13 +322,25 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         if !self.primed {
             self.primed = true;
             for i in 0..self.sources.len() {
-                self.load(i)?;
+                self.refill(i)?;
             }
+            // Winners of every match, bottom up; each node keeps its loser.
+            let mut won: Vec<usize> = (0..2 * self.leaves)
+                .map(|j| j.saturating_sub(self.leaves))
+                .collect();
             for j in (1..self.leaves).rev() {
-                self.tree[j] = self.better(self.tree[2 * j], self.tree[2 * j + 1]);
+                let (a, b) = (won[2 * j], won[2 * j + 1]);
+                let (w, l) = if self.keys[b] < self.keys[a] {
+                    (b, a)
+                } else {
+                    (a, b)
+                };
+                won[j] = w;
+                self.losers[j] = l;
             }
+            self.winner = won[1];
         }
-        let i = self.tree[1];
+        let i = self.winner;
         let key = self.keys[i];
         if key == DONE {
             return Ok(None);
@@ -327,7 +348,7 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
         let mut sum = self.counts[i];
         self.pull(i)?;
         loop {
-            let j = self.tree[1];
+            let j = self.winner;
             if self.keys[j] != key {
                 return Ok(Some((key as u64, sum)));
             }
@@ -342,7 +363,7 @@ impl<'p, I: Iterator<Item = Result<(u64, u64)>>> KMerge<'p, I> {
     }
 }
 
-impl<I: Iterator<Item = Result<(u64, u64)>>> Iterator for KMerge<'_, I> {
+impl Iterator for KMerge<'_, '_> {
     type Item = Result<(u64, u64)>;
 
     #[inline]
@@ -374,6 +395,36 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Any split of the first tokens walks the order in pieces that put together are it.
+        #[test]
+        fn ranges_of_an_order_concatenate_to_it(
+            docs in prop::collection::vec(prop::collection::vec(0u32..30, 0..40), 1..8),
+            order in 1usize..=4,
+            cuts in prop::collection::vec(0u32..32, 0..5),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("m.ngram");
+            count_corpus(&docs, order, 31, Some(30), 1).write(&p, 2).unwrap();
+            let m = NGramModel::open(&p).unwrap();
+            let mut bounds = cuts;
+            bounds.extend([0, 31]);
+            bounds.sort_unstable();
+            for n in 1..=order {
+                let whole: Vec<_> = m.iter_order(n).collect::<Result<_>>().unwrap();
+                let mut pieces = Vec::new();
+                for w in bounds.windows(2) {
+                    let part: Vec<_> = m.iter_order_from(n, w[0]..w[1]).collect::<Result<_>>().unwrap();
+                    let bits = crate::key::token_bits(31);
+                    for &(k, _) in &part {
+                        let t = (k >> (bits * (n as u32 - 1))) as u32;
+                        prop_assert!((w[0]..w[1]).contains(&t));
+                    }
+                    pieces.extend(part);
+                }
+                prop_assert_eq!(pieces, whole);
+            }
+        }
+
         #[test]
         fn merge_equals_the_model_of_the_concatenation(
             docs in prop::collection::vec(prop::collection::vec(0u32..12, 0..30), 0..10),
@@ -381,7 +432,7 @@ mod tests {
             shards in 1usize..4,
             order in 1usize..=3,
             min_count in 1u64..=3,
-            threads in 2usize..=4,
+            threads in 1usize..=4,
         ) {
             let dir = tempfile::tempdir().unwrap();
             let cut = cut.min(docs.len());
@@ -414,6 +465,75 @@ mod tests {
             let threaded = dir.path().join("threaded.ngram");
             merge_models(&refs, &threaded, &MergeOptions { threads, ..opts }).unwrap();
             prop_assert_eq!(std::fs::read(&threaded).unwrap(), std::fs::read(&out).unwrap());
+        }
+    }
+
+    /// A shard whose counts are corrupt deep inside an order (checksums recomputed, so only
+    /// decoding finds it) fails the merge with its name, at any thread count, and leaves
+    /// nothing at the output path nor beside it.
+    #[test]
+    fn an_input_corrupt_deep_inside_fails_the_merge_cleanly() {
+        use crate::format::{Header, SectionKind};
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // A few thousand trigrams, so that their count codes span many blocks.
+        let mut x = 7u64;
+        let docs: Vec<Vec<u32>> = (0..40)
+            .map(|_| {
+                (0..200)
+                    .map(|_| {
+                        x = x
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        ((x >> 33) % 300) as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        let good = d.join("good.ngram");
+        let bad = d.join("bad.ngram");
+        count_corpus(&docs[..20], 3, 301, Some(300), 1)
+            .write(&good, 32)
+            .unwrap();
+        count_corpus(&docs[20..], 3, 301, Some(300), 1)
+            .write(&bad, 32)
+            .unwrap();
+        let mut bytes = std::fs::read(&bad).unwrap();
+        let h = Header::parse(&bad, &bytes, bytes.len() as u64).unwrap();
+        let codes = h
+            .sections
+            .iter()
+            .find(|s| s.kind == SectionKind::CountCodes && s.order == 3)
+            .unwrap();
+        assert!(codes.length >= 64 * 8, "{} bytes of codes", codes.length);
+        // A block three quarters in: its escape base far past the escapes, every code an escape.
+        let at = (codes.offset + codes.length / 64 * 3 / 4 * 64) as usize;
+        bytes[at..at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+        bytes[at + 8..at + 64].fill(0xff);
+        std::fs::write(&bad, bytes).unwrap();
+        crate::testutil::rechecksum(&bad);
+        let out = d.join("merged.ngram");
+        for threads in 1..=4 {
+            let err = merge_models(
+                &[good.as_path(), bad.as_path()],
+                &out,
+                &MergeOptions {
+                    threads,
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                matches!(err, NGramError::Corrupt { .. }) && msg.contains("bad.ngram"),
+                "{threads} threads: {msg}"
+            );
+            let mut left: Vec<_> = std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            left.sort();
+            assert_eq!(left, ["bad.ngram", "good.ngram"], "{threads} threads");
         }
     }
 
@@ -467,7 +587,8 @@ mod tests {
         let other = d.join("other.ngram");
         let mut meta = c.meta();
         meta.tokenizer_fingerprint = [9; 32];
-        write_model(&other, &meta, &c.uni, c.streams(), &WriteOptions::default()).unwrap();
+        crate::writer::write_model(&other, &meta, &c.uni, c.streams(), &WriteOptions::default())
+            .unwrap();
         let err = run(&other, &def).unwrap_err();
         assert!(matches!(err, NGramError::TokenizerMismatch { .. }), "{err}");
         assert!(merge_models(&[], &out, &def).is_err());

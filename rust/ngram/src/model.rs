@@ -1482,6 +1482,44 @@ impl NGramModel {
         OrderIter::new(self, n)
     }
 
+    /// [`Self::iter_order`] restricted to the n-grams whose first token is in `first`
+    /// (a contiguous run of entries at every order: a merge splits its work by these ranges).
+    pub fn iter_order_from(
+        &self,
+        n: usize,
+        first: std::ops::Range<u32>,
+    ) -> impl Iterator<Item = Result<(u64, u64)>> + '_ {
+        OrderIter::in_range(self, n, first)
+    }
+
+    /// [`Self::iter_order_from`] a decoded chunk at a time, for `n >= 2`: a k-way merge reads
+    /// its heads straight from the chunks.
+    pub fn chunks_from(&self, n: usize, first: std::ops::Range<u32>) -> OrderChunks<'_> {
+        OrderChunks(OrderIter::in_range(self, n, first))
+    }
+
+    /// Index of the first order-`n` entry whose first token is `t` or above (the entries
+    /// count when there is none); `t` past the vocabulary counts as its end.
+    pub fn first_entry(&self, n: usize, t: u32) -> Result<u64> {
+        let mut i = u64::from(t).min(u64::from(self.vocab_size()));
+        for d in 1..n.min(self.order()) {
+            let v = self.view(
+                self.levels[d - 1]
+                    .children
+                    .expect("order below N has children"),
+            );
+            i = v.get(i);
+            if i > self.levels[d].entries {
+                return Err(self.corrupt(format!(
+                    "order {d} child offset {i} outside order {} of {} entries",
+                    d + 1,
+                    self.levels[d].entries
+                )));
+            }
+        }
+        Ok(i)
+    }
+
     /// Full check: every section checksum, then every structural invariant (offsets
     /// monotone and in range, children sorted and in the vocabulary, counts consistent, count
     /// tables sorted, top lists exactly the best children). Reads the whole file.
@@ -1661,8 +1699,9 @@ const ORDER_CHUNK: usize = 4096;
 struct OrderIter<'m> {
     m: &'m NGramModel,
     n: usize,
-    /// Next entry of order n to decode.
+    /// Next entry of order n to decode, and the end of the entries to walk.
     next: u64,
+    end: u64,
     /// Current parent index at orders 1..n-1 (index 0 = order 1).
     chain: Vec<u64>,
     /// End of the current parent's child range, per order 1..n-1.
@@ -1680,6 +1719,27 @@ struct OrderIter<'m> {
 }
 
 impl<'m> OrderIter<'m> {
+    /// The entries of order `n` whose first token is in `first`.
+    fn in_range(m: &'m NGramModel, n: usize, first: std::ops::Range<u32>) -> Self {
+        let mut it = OrderIter::new(m, n);
+        if it.error.is_none() {
+            if n == 1 {
+                let v = u64::from(m.vocab_size());
+                it.next = u64::from(first.start).min(v);
+                it.end = u64::from(first.end).min(v);
+            } else {
+                match (m.first_entry(n, first.start), m.first_entry(n, first.end)) {
+                    (Ok(lo), Ok(hi)) => {
+                        it.next = lo;
+                        it.end = hi.max(lo);
+                    }
+                    (Err(e), _) | (_, Err(e)) => it.error = Some(e),
+                }
+            }
+        }
+        it
+    }
+
     fn new(m: &'m NGramModel, n: usize) -> Self {
         let error = (n == 0 || n > m.order()).then(|| {
             NGramError::InvalidArgument(format!(
@@ -1693,6 +1753,11 @@ impl<'m> OrderIter<'m> {
             m,
             n,
             next: 0,
+            end: if (1..=m.order()).contains(&n) {
+                m.levels[n - 1].entries
+            } else {
+                0
+            },
             chain: vec![0; parents],
             ends: vec![0; parents],
             keys: vec![0; parents],
@@ -1745,19 +1810,29 @@ impl<'m> OrderIter<'m> {
         self.buf.clear();
         self.pos = 0;
         let lo = self.next;
-        let hi = m.levels[n - 1].entries.min(lo + ORDER_CHUNK as u64);
+        let hi = self.end.min(lo + ORDER_CHUNK as u64);
         if lo >= hi {
             return Ok(());
         }
         if !self.started {
-            // Every parent on its first entry, then made consistent from order 1 up.
-            for d in 1..n {
-                let (_, hi) = m.children_of(d, 0)?;
-                self.chain[d - 1] = 0;
-                self.ends[d - 1] = hi;
+            // Every parent on the first entry of the walk's first token (entry 0 of order 1
+            // for a whole order), then made consistent from order 1 up: entry `lo` exists,
+            // so do the first entries of every order below.
+            let mut first = vec![lo; n];
+            for d in (1..n).rev() {
+                let below = &m.levels[d - 1];
+                let v = m.view(below.children.expect("order below N has children"));
+                // The last entry of order d whose children start at or before first[d].
+                let at = v.lower_bound(0, below.entries + 1, first[d] + 1);
+                first[d - 1] = at.saturating_sub(1).min(below.entries - 1);
             }
             for d in 1..n {
-                self.seek(d, 0)?;
+                let (_, hi) = m.children_of(d, first[d - 1])?;
+                self.chain[d - 1] = first[d - 1];
+                self.ends[d - 1] = hi;
+            }
+            for (d, &child) in first.iter().enumerate().skip(1) {
+                self.seek(d, child)?;
             }
             for d in 1..n {
                 self.keys[d - 1] = self.parent_key(d);
@@ -1814,7 +1889,7 @@ impl Iterator for OrderIter<'_> {
         }
         let m = self.m;
         if self.n == 1 {
-            while self.next < u64::from(m.vocab_size()) {
+            while self.next < self.end {
                 let t = self.next;
                 self.next += 1;
                 match m.count_at(1, t) {
@@ -1842,11 +1917,47 @@ impl Iterator for OrderIter<'_> {
     }
 }
 
+/// The entries of one order >= 2 a decoded chunk at a time ([`NGramModel::chunks_from`]).
+pub struct OrderChunks<'m>(OrderIter<'m>);
+
+impl OrderChunks<'_> {
+    /// Replaces `buf` with the next entries in key order (empty at the end; an error comes
+    /// after the entries decoded before it).
+    pub fn refill(&mut self, buf: &mut Vec<(u64, u64)>) -> Result<()> {
+        let it = &mut self.0;
+        buf.clear();
+        if let Some(e) = it.error.take() {
+            it.done = true;
+            return Err(e);
+        }
+        if it.done {
+            return Ok(());
+        }
+        if it.n < 2 {
+            it.done = true;
+            return Err(NGramError::InvalidArgument(
+                "order 1 is not read in chunks".into(),
+            ));
+        }
+        std::mem::swap(&mut it.buf, buf);
+        let filled = it.fill();
+        std::mem::swap(&mut it.buf, buf);
+        if let Err(e) = filled {
+            if buf.is_empty() {
+                it.done = true;
+                return Err(e);
+            }
+            it.error = Some(e);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::format::{VERSION, VERSION_PLAIN_COUNTS};
-    use crate::testutil::{count_corpus, Counts};
+    use crate::testutil::{count_corpus, patch_header, rechecksum, Counts};
     use crate::writer::Layout;
     use proptest::prelude::*;
 
@@ -2178,30 +2289,6 @@ mod tests {
         let m = NGramModel::open_with(&path, &skip).unwrap();
         assert_eq!(m.integrity(), Integrity::Small);
         check_against(&m, &c, &contexts_of(&c));
-    }
-
-    /// Recomputes every section checksum after the data was patched, as a buggy writer that
-    /// wrote wrong data would have: only range checks at query time can catch it.
-    fn rechecksum(path: &Path) {
-        let bytes = std::fs::read(path).unwrap();
-        let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
-        for s in &mut h.sections {
-            s.checksum = xxh3_64(&bytes[s.offset as usize..(s.offset + s.length) as usize]);
-        }
-        patch_header(path, |x| *x = h);
-    }
-
-    /// Rewrites a header field with a valid checksum, as a buggy writer would.
-    fn patch_header(path: &Path, f: impl FnOnce(&mut Header)) {
-        let mut bytes = std::fs::read(path).unwrap();
-        let mut h = Header::parse(path, &bytes, bytes.len() as u64).unwrap();
-        f(&mut h);
-        // A version patched across 2 -> 3 changes the order records' length.
-        h.header_len =
-            Header::byte_len(h.version, h.orders.len(), h.sections.len(), h.source.len()) as u32;
-        let hb = h.to_bytes();
-        bytes[..hb.len()].copy_from_slice(&hb);
-        std::fs::write(path, bytes).unwrap();
     }
 
     #[test]

@@ -13,6 +13,10 @@
 //! columns (the child buckets in a second pass, once every order's token keys are known); only
 //! the per-order table of distinct counts, the per-token key counts and one context's children
 //! are held in RAM.
+//!
+//! A producer may hand the n-grams over split by first token ([`write_model_in_ranges`]): the
+//! ranges are spooled on a thread pool, each order's ranges put together in key order, and the
+//! sections written by passes on the same pool; the bytes are the same as from one stream.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -163,6 +167,48 @@ pub(crate) fn write_model_as(
     opts: &WriteOptions,
     layout: &Layout,
 ) -> Result<WriteReport> {
+    let whole = vec![KeyRange {
+        first: 0..meta.vocab_size,
+        streams: higher,
+    }];
+    write_model_ranges(path, meta, unigrams, whole, opts, layout, 1)
+}
+
+/// The n-grams of orders 2..=N whose first token is in `first`: `streams[i]` holds order
+/// `i + 2`'s, sorted as [`write_model`] wants them.
+pub struct KeyRange<'a> {
+    pub first: std::ops::Range<u32>,
+    pub streams: Vec<CountStream<'a>>,
+}
+
+/// [`write_model`] from the n-grams split by first token into `ranges` (ascending, together
+/// covering the vocabulary), spooled on up to `threads` threads at once. The file is the
+/// same bytes however the vocabulary is split and whatever the number of threads.
+pub fn write_model_in_ranges(
+    path: &Path,
+    meta: &ModelMeta,
+    unigrams: &[u64],
+    ranges: Vec<KeyRange<'_>>,
+    opts: &WriteOptions,
+    threads: usize,
+) -> Result<WriteReport> {
+    let layout = Layout {
+        version: VERSION,
+        bucket_stride: DEFAULT_BUCKET_STRIDE,
+        code_width: None,
+    };
+    write_model_ranges(path, meta, unigrams, ranges, opts, &layout, threads)
+}
+
+fn write_model_ranges(
+    path: &Path,
+    meta: &ModelMeta,
+    unigrams: &[u64],
+    ranges: Vec<KeyRange<'_>>,
+    opts: &WriteOptions,
+    layout: &Layout,
+    threads: usize,
+) -> Result<WriteReport> {
     let Layout {
         version,
         bucket_stride,
@@ -180,13 +226,29 @@ pub(crate) fn write_model_as(
              buckets, versions 2 and 3 need them)"
         )));
     }
-    if higher.len() + 1 != meta.order {
+    let mut next_first = 0;
+    for r in &ranges {
+        if r.streams.len() + 1 != meta.order {
+            return Err(bad(format!(
+                "order {} needs {} streams of orders 2..={}, got {}",
+                meta.order,
+                meta.order - 1,
+                meta.order,
+                r.streams.len()
+            )));
+        }
+        if r.first.start != next_first || r.first.end < r.first.start {
+            return Err(bad(format!(
+                "first-token range {:?} does not follow {next_first}",
+                r.first
+            )));
+        }
+        next_first = r.first.end;
+    }
+    if next_first != meta.vocab_size {
         return Err(bad(format!(
-            "order {} needs {} streams of orders 2..={}, got {}",
-            meta.order,
-            meta.order - 1,
-            meta.order,
-            higher.len()
+            "first-token ranges end at {next_first}, not at the vocabulary's {}",
+            meta.vocab_size
         )));
     }
     if unigrams.len() != meta.vocab_size as usize {
@@ -238,11 +300,19 @@ pub(crate) fn write_model_as(
         bucket_stride,
         levels: Vec::new(),
         unigrams,
-        last_tokens: vec![0; meta.vocab_size as usize],
+        last_tokens: Vec::new(),
     };
-    for (i, stream) in higher.into_iter().enumerate() {
-        spool.add_order(i + 2, stream)?;
-    }
+    let pool = if threads > 1 {
+        Some(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .map_err(|e| NGramError::InvalidArgument(format!("thread pool: {e}")))?,
+        )
+    } else {
+        None
+    };
+    spool.spool_ranges(ranges, meta.order, pool.as_ref())?;
 
     // Per-order records and the section layout.
     let n_max = meta.order;
@@ -344,9 +414,12 @@ pub(crate) fn write_model_as(
         starts.push(offset);
         offset += len;
     }
-    let mut done: Vec<Option<(u64, u64)>> = vec![None; layout.len()];
+    // The passes: a section alone, or the columns of order n read from its spool in one
+    // pass (with SPLIT_PASSES_THREADS threads or more, one pass per column group, at once).
+    let mut passes: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut planned = vec![false; layout.len()];
     for i in 0..layout.len() {
-        if done[i].is_some() {
+        if planned[i] {
             continue;
         }
         let (kind, order, _) = layout[i];
@@ -354,26 +427,64 @@ pub(crate) fn write_model_as(
             SectionKind::ChildBuckets => order as usize + 1,
             k if Spool::is_column(k) => order as usize,
             _ => {
-                let mut w = SectionWriter::new(&file, starts[i]);
-                spool.write_section(&mut w, kind, order as usize, &header)?;
-                done[i] = Some(w.finish().map_err(io)?);
+                planned[i] = true;
+                passes.push((0, vec![i]));
                 continue;
             }
         };
-        // This pass's sections, by kind.
-        let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = layout
-            .iter()
-            .enumerate()
-            .filter(|&(_, &(k, o, _))| {
-                (Spool::is_column(k) && o as usize == n)
-                    || (k == SectionKind::ChildBuckets && o as usize + 1 == n)
-            })
-            .map(|(j, &(k, _, _))| (j, k, SectionWriter::new(&file, starts[j])))
-            .collect();
-        spool.write_columns(n, &header, &mut writers)?;
-        for (j, _, w) in writers {
-            done[j] = Some(w.finish().map_err(io)?);
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (j, &(k, o, _)) in layout.iter().enumerate() {
+            let group = match k {
+                SectionKind::ChildBuckets if o as usize + 1 == n => 0,
+                SectionKind::Tokens if o as usize == n => 1,
+                SectionKind::CountCodes | SectionKind::CountEscapes | SectionKind::CountRanks
+                    if o as usize == n =>
+                {
+                    2
+                }
+                _ => continue,
+            };
+            planned[j] = true;
+            // Each group re-reads the spool (a fifth more CPU at 2 threads, where the orders'
+            // passes already fill the cores): split only with cores to spare.
+            let g = if threads < SPLIT_PASSES_THREADS {
+                0
+            } else {
+                group
+            };
+            if groups.len() <= g {
+                groups.resize(g + 1, Vec::new());
+            }
+            groups[g].push(j);
         }
+        passes.extend(groups.into_iter().filter(|g| !g.is_empty()).map(|g| (n, g)));
+    }
+    let run = |(n, sections): &(usize, Vec<usize>)| -> Result<Vec<(usize, (u64, u64))>> {
+        let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = sections
+            .iter()
+            .map(|&j| (j, layout[j].0, SectionWriter::new(&file, starts[j])))
+            .collect();
+        if *n == 0 {
+            let (_, kind, w) = &mut writers[0];
+            spool.write_section(w, *kind, layout[sections[0]].1 as usize, &header)?;
+        } else {
+            spool.write_columns(*n, &header, &mut writers)?;
+        }
+        writers
+            .into_iter()
+            .map(|(j, _, w)| Ok((j, w.finish().map_err(io)?)))
+            .collect()
+    };
+    let written: Vec<Vec<(usize, (u64, u64))>> = match &pool {
+        None => passes.iter().map(run).collect::<Result<_>>()?,
+        Some(pool) => {
+            use rayon::prelude::*;
+            pool.install(|| passes.par_iter().map(run).collect::<Result<_>>())?
+        }
+    };
+    let mut done: Vec<Option<(u64, u64)>> = vec![None; layout.len()];
+    for (j, d) in written.into_iter().flatten() {
+        done[j] = Some(d);
     }
     for (i, &(kind, order, len)) in layout.iter().enumerate() {
         let (checksum, written) = done[i].expect("every section written");
@@ -415,24 +526,88 @@ pub(crate) fn write_model_as(
     })
 }
 
+/// n-grams ending in each token id, of one range: 32-bit counters (half the cache lines of
+/// 64-bit ones: the increment at a random id was the spool's costliest step), each wrap
+/// noted apart.
+struct LastTokens {
+    low: Vec<u32>,
+    wraps: Vec<u32>,
+}
+
+impl LastTokens {
+    fn new(vocab: usize) -> Self {
+        LastTokens {
+            low: vec![0; vocab],
+            wraps: Vec::new(),
+        }
+    }
+
+    #[inline(always)]
+    fn add(&mut self, t: usize) {
+        let c = &mut self.low[t];
+        *c = c.wrapping_add(1);
+        if *c == 0 {
+            self.wraps.push(t as u32);
+        }
+    }
+
+    fn add_to(&self, sums: &mut [u64]) {
+        for (a, &b) in sums.iter_mut().zip(&self.low) {
+            *a += u64::from(b);
+        }
+        for &t in &self.wraps {
+            sums[t as usize] += 1 << 32;
+        }
+    }
+}
+
+/// Threads from which an order's column groups are written by passes of their own.
+const SPLIT_PASSES_THREADS: usize = 4;
+
 /// One spooled order n >= 2, plus what its parents (order n-1) learned from it.
 struct Level {
     entries: u64,
-    /// `(key, count)` pairs, 16 bytes each.
-    raw: File,
+    /// The order's n-grams by first-token range, in key order.
+    parts: Vec<Part>,
     /// Distinct counts, ascending.
     table: Vec<u64>,
     /// n-grams with each count of `table` (the frequency of each rank).
     freq: Vec<u64>,
-    /// CSR offsets of the parents (order n-1) into this order, `parents + 1` u64 values.
+    /// Parents with a top list.
+    top_contexts: u64,
+    max_listed_children: u64,
+    /// Most children of a parent that has child-bucket entries (bounds their values).
+    max_bucketed_children: u64,
+}
+
+/// One first-token range of a spooled order n >= 2. Its parents are the range's entries of
+/// order n-1; offsets and parent ids in its files count from the range's first ones.
+struct Part {
+    /// Parents (entries of order n-1) and n-grams in the range.
+    parents: u64,
+    entries: u64,
+    /// `(key, count)` pairs, 16 bytes each.
+    raw: File,
+    /// CSR offsets of the parents into this order, `parents + 1` u64 values.
     parent_offsets: File,
     /// Parent ids with a top list (u64 each) and their lists (`top_list_len` u64 each).
     top_contexts: u64,
     top_ids: File,
     top_lists: File,
-    max_listed_children: u64,
-    /// Most children of a parent that has child-bucket entries (bounds their values).
-    max_bucketed_children: u64,
+}
+
+/// What spooling one range of one order found, before the ranges are put together.
+struct PartOut {
+    part: Part,
+    /// `(count, n-grams with it)`, ascending by count.
+    counts: Vec<(u64, u64)>,
+    max_listed: u64,
+    /// Most children of a parent with at least `bucket_stride` of them (0: none), which has
+    /// child-bucket entries wherever its range starts.
+    max_big: u64,
+    /// Most children of a parent with child-bucket entries, counted as if the range began at
+    /// entry 0 (true for the first range).
+    max_bucketed_rel: u64,
 }
 
 impl Level {
@@ -475,6 +650,7 @@ struct ParentSink {
     top_contexts: u64,
     max_listed: u64,
     max_bucketed: u64,
+    max_big: u64,
     /// Children of the current parent: (count, relative index).
     kids: Vec<(u64, u64)>,
 }
@@ -499,6 +675,9 @@ impl ParentSink {
         if BucketSlice::new(entries - n_kids as u64, entries, self.bucket_stride).entries > 0 {
             self.max_bucketed = self.max_bucketed.max(n_kids as u64);
         }
+        if self.bucket_stride > 0 && n_kids as u64 >= u64::from(self.bucket_stride) {
+            self.max_big = self.max_big.max(n_kids as u64);
+        }
         self.kids.clear();
         Ok(())
     }
@@ -506,20 +685,32 @@ impl ParentSink {
 
 /// Sequential reader of the parent order's `(key, count)` pairs.
 enum Parents<'a> {
-    Dense { counts: &'a [u64], next: u64 },
-    Spooled { r: BufReader<File>, left: u64 },
+    /// Unigrams `first..first + counts.len()`.
+    Dense {
+        counts: &'a [u64],
+        first: u64,
+        next: u64,
+    },
+    Spooled {
+        r: SpoolReader<'a>,
+        left: u64,
+    },
 }
 
 impl Parents<'_> {
     fn next(&mut self) -> io::Result<Option<(u64, u64)>> {
         match self {
-            Parents::Dense { counts, next } => {
+            Parents::Dense {
+                counts,
+                first,
+                next,
+            } => {
                 let i = *next as usize;
                 if i >= counts.len() {
                     return Ok(None);
                 }
                 *next += 1;
-                Ok(Some((i as u64, counts[i])))
+                Ok(Some((*first + i as u64, counts[i])))
             }
             Parents::Spooled { r, left } => {
                 if *left == 0 {
@@ -535,7 +726,7 @@ impl Parents<'_> {
 /// Reads `N` bytes, straight from the buffer when it holds them (the generic `read_exact`
 /// costs more than the decode on these 8- and 16-byte records).
 #[inline(always)]
-fn read_array<const N: usize>(r: &mut BufReader<File>) -> io::Result<[u8; N]> {
+fn read_array<const N: usize>(r: &mut SpoolReader<'_>) -> io::Result<[u8; N]> {
     let mut b = [0u8; N];
     if let Some(s) = r.buffer().get(..N) {
         b.copy_from_slice(s);
@@ -547,7 +738,7 @@ fn read_array<const N: usize>(r: &mut BufReader<File>) -> io::Result<[u8; N]> {
 }
 
 #[inline(always)]
-fn read_pair(r: &mut BufReader<File>) -> io::Result<(u64, u64)> {
+fn read_pair(r: &mut SpoolReader<'_>) -> io::Result<(u64, u64)> {
     let b = read_array::<16>(r)?;
     Ok((
         u64::from_le_bytes(b[..8].try_into().expect("8")),
@@ -556,7 +747,7 @@ fn read_pair(r: &mut BufReader<File>) -> io::Result<(u64, u64)> {
 }
 
 #[inline(always)]
-fn read_u64(r: &mut BufReader<File>) -> io::Result<u64> {
+fn read_u64(r: &mut SpoolReader<'_>) -> io::Result<u64> {
     Ok(u64::from_le_bytes(read_array::<8>(r)?))
 }
 
@@ -582,10 +773,26 @@ impl RankOf<'_> {
     }
 }
 
-fn rewind(f: &File) -> io::Result<BufReader<File>> {
-    let mut f = f.try_clone()?;
-    f.seek(SeekFrom::Start(0))?;
-    Ok(BufReader::with_capacity(SPOOL_BUF, f))
+/// A spooled file read from its start with `pread`: passes on several threads read one file
+/// at once (a cloned descriptor would share its offset).
+struct Spooled<'f> {
+    file: &'f File,
+    at: u64,
+}
+
+impl Read for Spooled<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+type SpoolReader<'f> = BufReader<Spooled<'f>>;
+
+fn rewind(file: &File) -> SpoolReader<'_> {
+    BufReader::with_capacity(SPOOL_BUF, Spooled { file, at: 0 })
 }
 
 impl Spool<'_> {
@@ -622,21 +829,144 @@ impl Spool<'_> {
             .collect()
     }
 
-    fn add_order(&mut self, n: usize, stream: CountStream<'_>) -> Result<()> {
+    /// Spools every order of every range (up to `threads` ranges at once), then puts each
+    /// order's ranges together: `self.levels` and `self.last_tokens`.
+    fn spool_ranges(
+        &mut self,
+        ranges: Vec<KeyRange<'_>>,
+        order: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<()> {
+        let this = &*self;
+        let one = |r: KeyRange<'_>| -> Result<(Vec<PartOut>, LastTokens)> {
+            let mut last_tokens = LastTokens::new(this.vocab_size as usize);
+            let mut parts: Vec<PartOut> = Vec::with_capacity(r.streams.len());
+            for (i, stream) in r.streams.into_iter().enumerate() {
+                let prev = parts.last().map(|p| &p.part);
+                let out =
+                    this.spool_order(i + 2, r.first.clone(), prev, stream, &mut last_tokens)?;
+                parts.push(out);
+            }
+            Ok((parts, last_tokens))
+        };
+        let spooled: Vec<(Vec<PartOut>, LastTokens)> = match pool {
+            Some(pool) if ranges.len() > 1 => {
+                use rayon::prelude::*;
+                pool.install(|| ranges.into_par_iter().map(one).collect::<Result<_>>())?
+            }
+            _ => ranges.into_iter().map(one).collect::<Result<_>>()?,
+        };
+        let mut last_tokens = vec![0u64; self.vocab_size as usize];
+        let mut by_order: Vec<Vec<PartOut>> = (2..=order).map(|_| Vec::new()).collect();
+        for (parts, lt) in spooled {
+            lt.add_to(&mut last_tokens);
+            for (i, p) in parts.into_iter().enumerate() {
+                by_order[i].push(p);
+            }
+        }
+        self.last_tokens = last_tokens;
+        for outs in by_order {
+            let level = self.join_parts(outs)?;
+            self.levels.push(level);
+        }
+        Ok(())
+    }
+
+    /// One order's level from its ranges, in key order.
+    fn join_parts(&self, outs: Vec<PartOut>) -> Result<Level> {
+        let mut counts: Vec<(u64, u64)> = Vec::new();
+        let (mut max_listed, mut max_big) = (0, 0);
+        let single = outs.len() == 1;
+        let mut max_bucketed = 0;
+        let mut parts = Vec::with_capacity(outs.len());
+        for o in outs {
+            counts.extend(o.counts);
+            max_listed = max_listed.max(o.max_listed);
+            max_big = max_big.max(o.max_big);
+            if single {
+                max_bucketed = o.max_bucketed_rel;
+            }
+            parts.push(o.part);
+        }
+        counts.sort_unstable();
+        let mut table: Vec<u64> = Vec::new();
+        let mut freq: Vec<u64> = Vec::new();
+        for (c, f) in counts {
+            if table.last() == Some(&c) {
+                *freq.last_mut().expect("same length") += f;
+            } else {
+                table.push(c);
+                freq.push(f);
+            }
+        }
+        if !single {
+            // A parent with `bucket_stride` children or more has entries wherever it starts,
+            // and is above every smaller one; without one, where the ranges start decides.
+            max_bucketed = if max_big > 0 {
+                max_big
+            } else {
+                self.max_bucketed_children(&parts).map_err(|e| self.io(e))?
+            };
+        }
+        Ok(Level {
+            entries: parts.iter().map(|p| p.entries).sum(),
+            top_contexts: parts.iter().map(|p| p.top_contexts).sum(),
+            parts,
+            table,
+            freq,
+            max_listed_children: max_listed,
+            max_bucketed_children: max_bucketed,
+        })
+    }
+
+    /// Most children of a parent with child-bucket entries, from the spooled offsets.
+    fn max_bucketed_children(&self, parts: &[Part]) -> io::Result<u64> {
+        let mut most = 0;
+        let mut base = 0u64;
+        for p in parts {
+            let mut offs = rewind(&p.parent_offsets);
+            let mut lo = read_u64(&mut offs)?;
+            for _ in 0..p.parents {
+                let hi = read_u64(&mut offs)?;
+                if BucketSlice::new(base + lo, base + hi, self.bucket_stride).entries > 0 {
+                    most = most.max(hi - lo);
+                }
+                lo = hi;
+            }
+            base += p.entries;
+        }
+        Ok(most)
+    }
+
+    /// Spools order `n`'s n-grams of first tokens `first` (whose order n-1 is `prev`, the
+    /// unigrams for order 2), checking them.
+    fn spool_order(
+        &self,
+        n: usize,
+        first: std::ops::Range<u32>,
+        prev: Option<&Part>,
+        stream: CountStream<'_>,
+        last_tokens: &mut LastTokens,
+    ) -> Result<PartOut> {
         let bits = self.bits;
         let tok_mask = (1u64 << bits) - 1;
         let key_bits = n as u32 * bits;
-        let mut parents = if n == 2 {
-            Parents::Dense {
-                counts: self.unigrams,
-                next: 0,
-            }
-        } else {
-            let prev = &self.levels[n - 3];
-            Parents::Spooled {
-                r: rewind(&prev.raw).map_err(|e| self.io(e))?,
-                left: prev.entries,
-            }
+        let (mut parents, n_parents) = match prev {
+            None => (
+                Parents::Dense {
+                    counts: &self.unigrams[first.start as usize..first.end as usize],
+                    first: u64::from(first.start),
+                    next: 0,
+                },
+                u64::from(first.end - first.start),
+            ),
+            Some(prev) => (
+                Parents::Spooled {
+                    r: rewind(&prev.raw),
+                    left: prev.entries,
+                },
+                prev.entries,
+            ),
         };
         let mut raw = self.scratch()?;
         let mut sink = ParentSink {
@@ -648,6 +978,7 @@ impl Spool<'_> {
             top_contexts: 0,
             max_listed: 0,
             max_bucketed: 0,
+            max_big: 0,
             kids: Vec::new(),
         };
         // Distinct counts and how many n-grams have each (dense below DENSE_COUNTS).
@@ -761,14 +1092,13 @@ impl Spool<'_> {
                 ));
             }
             sink.kids.push((count, sink.kids.len() as u64));
-            self.last_tokens[last as usize] += 1;
+            last_tokens.add(last as usize);
             match small.get_mut(count as usize) {
                 Some(f) => *f += 1,
                 None => *table.entry(count).or_insert(0) += 1,
             }
-            let mut pair = [0u8; 16];
-            pair[..8].copy_from_slice(&k.to_le_bytes());
-            pair[8..].copy_from_slice(&count.to_le_bytes());
+            // One 16-byte value: two 8-byte halves stored apart and copied as one stalled.
+            let pair = ((u128::from(count) << 64) | u128::from(k)).to_le_bytes();
             raw.write_all(&pair).map_err(|e| self.io(e))?;
             entries += 1;
         }
@@ -779,25 +1109,25 @@ impl Spool<'_> {
         while parents.next().map_err(|e| self.io(e))?.is_some() {
             w(&mut sink.offs, entries).map_err(|e| self.io(e))?;
         }
-        let mut table: Vec<(u64, u64)> = table.into_iter().collect();
-        table.extend((0..DENSE_COUNTS as u64).zip(small).filter(|&(_, f)| f > 0));
-        table.sort_unstable();
-        let (table, freq) = table.into_iter().unzip();
+        let mut counts: Vec<(u64, u64)> = table.into_iter().collect();
+        counts.extend((0..DENSE_COUNTS as u64).zip(small).filter(|&(_, f)| f > 0));
+        counts.sort_unstable();
         let done = |b: BufWriter<File>| b.into_inner().map_err(|e| e.into_error());
-        let level = Level {
-            entries,
-            raw: done(raw).map_err(|e| self.io(e))?,
-            table,
-            freq,
-            parent_offsets: done(sink.offs).map_err(|e| self.io(e))?,
-            top_contexts: sink.top_contexts,
-            top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
-            top_lists: done(sink.top_lists).map_err(|e| self.io(e))?,
-            max_listed_children: sink.max_listed,
-            max_bucketed_children: sink.max_bucketed,
-        };
-        self.levels.push(level);
-        Ok(())
+        Ok(PartOut {
+            part: Part {
+                parents: n_parents,
+                entries,
+                raw: done(raw).map_err(|e| self.io(e))?,
+                parent_offsets: done(sink.offs).map_err(|e| self.io(e))?,
+                top_contexts: sink.top_contexts,
+                top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
+                top_lists: done(sink.top_lists).map_err(|e| self.io(e))?,
+            },
+            counts,
+            max_listed: sink.max_listed,
+            max_big: sink.max_big,
+            max_bucketed_rel: sink.max_bucketed,
+        })
     }
 
     /// The sections of order `n >= 2` read from its spooled `(key, count)` pairs (the child
@@ -843,54 +1173,63 @@ impl Spool<'_> {
                 _ => unreachable!("not a column section"),
             }
         }
-        let mut tokens = tokens.expect("every order >= 2 has tokens");
+
         let rank = level.rank_of();
         let width = rec.count_width;
         let keys = buckets.as_ref().map(|_| self.token_keys());
         let tok_mask = (1u64 << self.bits) - 1;
-        let mut raw = rewind(&level.raw).map_err(io)?;
-        // The children of each parent in turn (the buckets are per parent).
-        let mut offs = rewind(&level.parent_offsets).map_err(io)?;
-        let mut lo = read_u64(&mut offs).map_err(io)?;
         let mut kid_keys: Vec<u32> = Vec::new();
         let mut escaped = 0u64;
-        for _ in 0..header.entries(n - 1) {
-            let hi = read_u64(&mut offs).map_err(io)?;
-            kid_keys.clear();
-            for _ in lo..hi {
-                let (k, c) = read_pair(&mut raw).map_err(io)?;
-                let t = k & tok_mask;
-                tokens.push(t).map_err(io)?;
-                let r = rank.get(c);
-                if let Some(p) = ranks.as_mut() {
-                    p.push(r).map_err(io)?;
-                }
-                if let Some(p) = codes.as_mut() {
-                    p.push(r).map_err(io)?;
-                }
-                if let (Some(p), (_, Some(e))) = (escapes.as_mut(), code_of(r, width)) {
-                    p.push(e).map_err(io)?;
-                    escaped += 1;
-                }
-                if let Some(keys) = &keys {
-                    kid_keys.push(keys[t as usize]);
-                }
-            }
-            if let Some(p) = buckets.as_mut() {
-                let b = BucketSlice::new(lo, hi, self.bucket_stride);
-                // Entry j: the first child in bucket j + 1 or later (keys ascend with the
-                // tokens, so buckets do too).
-                let mut r = 0usize;
-                for j in 0..b.entries {
-                    while r < kid_keys.len() && b.bucket(kid_keys[r]) <= j {
-                        r += 1;
+        // Entries of order n before the part.
+        let mut base = 0u64;
+        for part in &level.parts {
+            let mut raw = rewind(&part.raw);
+            // The children of each parent in turn (the buckets are per parent).
+            let mut offs = rewind(&part.parent_offsets);
+            let mut lo = base + read_u64(&mut offs).map_err(io)?;
+            for _ in 0..part.parents {
+                let hi = base + read_u64(&mut offs).map_err(io)?;
+                kid_keys.clear();
+                for _ in lo..hi {
+                    let (k, c) = read_pair(&mut raw).map_err(io)?;
+                    let t = k & tok_mask;
+                    if let Some(p) = tokens.as_mut() {
+                        p.push(t).map_err(io)?;
                     }
-                    p.push(r as u64).map_err(io)?;
+                    let r = rank.get(c);
+                    if let Some(p) = ranks.as_mut() {
+                        p.push(r).map_err(io)?;
+                    }
+                    if let Some(p) = codes.as_mut() {
+                        p.push(r).map_err(io)?;
+                    }
+                    if let (Some(p), (_, Some(e))) = (escapes.as_mut(), code_of(r, width)) {
+                        p.push(e).map_err(io)?;
+                        escaped += 1;
+                    }
+                    if let Some(keys) = &keys {
+                        kid_keys.push(keys[t as usize]);
+                    }
                 }
+                if let Some(p) = buckets.as_mut() {
+                    let b = BucketSlice::new(lo, hi, self.bucket_stride);
+                    // Entry j: the first child in bucket j + 1 or later (keys ascend with the
+                    // tokens, so buckets do too).
+                    let mut r = 0usize;
+                    for j in 0..b.entries {
+                        while r < kid_keys.len() && b.bucket(kid_keys[r]) <= j {
+                            r += 1;
+                        }
+                        p.push(r as u64).map_err(io)?;
+                    }
+                }
+                lo = hi;
             }
-            lo = hi;
+            base += part.entries;
         }
-        tokens.finish().map_err(io)?;
+        if let Some(p) = tokens {
+            p.finish().map_err(io)?;
+        }
         if let Some(p) = ranks {
             p.finish().map_err(io)?;
         }
@@ -942,21 +1281,31 @@ impl Spool<'_> {
                 }
             }
             SectionKind::ChildOffsets => {
-                let child = &self.levels[n - 1];
-                let mut r = rewind(&child.parent_offsets).map_err(io)?;
+                // Each part's offsets after the entries before it; its first offset is the
+                // previous part's last.
                 let mut p = PackedWriter::new(out, rec.child_width);
-                for _ in 0..=header.entries(n) {
-                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                p.push(0).map_err(io)?;
+                let mut base = 0;
+                for part in &self.levels[n - 1].parts {
+                    let mut r = rewind(&part.parent_offsets);
+                    read_u64(&mut r).map_err(io)?;
+                    for _ in 0..part.parents {
+                        p.push(base + read_u64(&mut r).map_err(io)?).map_err(io)?;
+                    }
+                    base += part.entries;
                 }
                 p.finish().map_err(io)?;
             }
             SectionKind::TopContexts => {
-                let child = &self.levels[n - 1];
-                let mut r = rewind(&child.top_ids).map_err(io)?;
                 let width = width_for(header.entries(n).saturating_sub(1));
                 let mut p = PackedWriter::new(out, width);
-                for _ in 0..child.top_contexts {
-                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                let mut base = 0;
+                for part in &self.levels[n - 1].parts {
+                    let mut r = rewind(&part.top_ids);
+                    for _ in 0..part.top_contexts {
+                        p.push(base + read_u64(&mut r).map_err(io)?).map_err(io)?;
+                    }
+                    base += part.parents;
                 }
                 p.finish().map_err(io)?;
             }
@@ -977,11 +1326,12 @@ impl Spool<'_> {
                 unreachable!("{} is written by write_columns", kind.name())
             }
             SectionKind::TopLists => {
-                let child = &self.levels[n - 1];
-                let mut r = rewind(&child.top_lists).map_err(io)?;
                 let mut p = PackedWriter::new(out, rec.top_rel_width);
-                for _ in 0..child.top_contexts * u64::from(header.top_list_len) {
-                    p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                for part in &self.levels[n - 1].parts {
+                    let mut r = rewind(&part.top_lists);
+                    for _ in 0..part.top_contexts * u64::from(header.top_list_len) {
+                        p.push(read_u64(&mut r).map_err(io)?).map_err(io)?;
+                    }
                 }
                 p.finish().map_err(io)?;
             }
@@ -1262,6 +1612,19 @@ mod tests {
         m.verify().unwrap();
         assert_eq!(m.prob(&[1], 2).unwrap(), (0.0, 0));
         assert!(m.top_k(&[1], 3).unwrap().is_empty());
+    }
+
+    #[test]
+    fn last_token_counts_carry_past_32_bits() {
+        let mut lt = LastTokens::new(4);
+        lt.low[2] = u32::MAX - 1;
+        for _ in 0..3 {
+            lt.add(2);
+        }
+        lt.add(0);
+        let mut sums = vec![5u64; 4];
+        lt.add_to(&mut sums);
+        assert_eq!(sums, [6, 5, 5 + (1 << 32) + 1, 5]);
     }
 
     #[test]
