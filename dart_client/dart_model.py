@@ -38,6 +38,7 @@ from dart_client.errors import (
     InvalidTypeError,
 )
 from dart_client.loading import (
+    check_ngram_open,
     gguf_unpacked,
     load_head,
     load_ngram,
@@ -201,11 +202,7 @@ class DartModel:
         :class:`~dart_client.models.target.TargetModel` (packed weights, small-query attention).
         ``prompt_lookup``: see the class docstring.
         """
-        if ngram_server is not None and ngram_open:  # before the (slow) target load
-            raise InvalidArgumentError(
-                "ngram_open applies to a local n-gram model; the daemon at "
-                f"{ngram_server} opens its own (dart-ngram serve --prefetch, ...)"
-            )
+        check_ngram_open(ngram_open, daemon=ngram_server)  # before the (slow) target load
         model, tokenizer = load_target(
             base_model_name_or_path, dtype=torch_dtype, device_map=device_map, **hf_kwargs
         )
@@ -451,6 +448,7 @@ def build_model(
         check_device(device)
     if template not in ("auto", "none"):
         TEMPLATE_REGISTRY[template]  # an unknown name fails before the load
+    check_ngram_open(ngram_open, daemon=ngram_server)
     if not ar:
         if head is None:
             raise DartError("pass --head DIR (or --head random for an untrained head), or use --ar")

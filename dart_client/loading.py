@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [  # and DTYPES (name -> torch dtype), built on first use by __getattr__
     "DTYPE_NAMES",
     "NGRAM_OPEN_OPTIONS",
+    "check_ngram_open",
     "check_spec",
     "gguf_unpacked",
     "is_hub_id",
@@ -330,13 +331,9 @@ def load_ngram(
     from dart_client.ngram.model import NGram
 
     text = str(spec)
-    options = _checked_open_options(open_options)
-    if text.startswith(("grpc://", "grpcs://")):
-        if options:
-            raise InvalidArgumentError(
-                f"{spec}: n-gram open options ({', '.join(options)}) apply to a local model; "
-                "the daemon opens its own (dart-ngram serve --prefetch, --in-memory, ...)"
-            )
+    remote = text.startswith(("grpc://", "grpcs://"))
+    options = check_ngram_open(open_options, daemon=text if remote else None)
+    if remote:
         from dart_client.ngram.remote import connect
 
         return connect(text)
@@ -369,9 +366,18 @@ def load_ngram(
     return NGram.open(str(p), **options)
 
 
-def _checked_open_options(options: Mapping[str, bool] | None) -> dict[str, bool]:
-    if options is None:
+def check_ngram_open(
+    options: Mapping[str, bool] | None, *, daemon: str | None = None
+) -> dict[str, bool]:
+    """``options`` checked as ``NGram.open`` keywords (names in :data:`NGRAM_OPEN_OPTIONS`,
+    True/False values); refused with any when the n-gram is served by ``daemon``."""
+    if not options:
         return {}
+    if daemon is not None:
+        raise InvalidArgumentError(
+            f"n-gram open options ({', '.join(options)}) apply to a local model; the daemon at "
+            f"{daemon} opens its own (dart-ngram serve --prefetch, --in-memory, ...)"
+        )
     unknown = sorted(set(options) - set(NGRAM_OPEN_OPTIONS))
     if unknown:
         raise InvalidArgumentError(

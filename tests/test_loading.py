@@ -77,3 +77,28 @@ def test_ngram_open_options_are_checked(tiny_ngram_path: Path) -> None:
         load_ngram(tiny_ngram_path, open_options={"prefetch": "yes"})  # type: ignore[dict-item]
     with pytest.raises(InvalidArgumentError, match="apply to a local model"):
         load_ngram("grpc://localhost:1", open_options={"prefetch": True})
+    # Refused before any model is loaded ("nope" is no model: loading it would fail otherwise).
+    from dart_client import DartModel
+    from dart_client.dart_model import build_model
+
+    served = {"ngram_server": "localhost:1", "ngram_open": {"prefetch": True}}
+    with pytest.raises(InvalidArgumentError, match="the daemon at localhost:1 opens its own"):
+        DartModel.from_pretrained("nope", "nope", **served)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="the daemon at localhost:1 opens its own"):
+        build_model("nope", "random", None, **served)  # type: ignore[arg-type]
+
+
+def test_ngram_open_options_are_ngram_opens_keywords() -> None:
+    """The names users may pass are exactly ``NGram.open``'s options (a new one there must
+    be offered here, a removed one refused)."""
+    import inspect
+
+    from dart_client.loading import NGRAM_OPEN_OPTIONS
+    from dart_client.ngram.model import NGram
+
+    keywords = [
+        name
+        for name, p in inspect.signature(NGram.open).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert sorted(NGRAM_OPEN_OPTIONS) == sorted(keywords)

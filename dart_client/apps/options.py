@@ -8,7 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from dart_client.errors import DartError
-from dart_client.loading import DTYPE_NAMES, NGRAM_OPEN_OPTIONS, check_spec
+from dart_client.loading import DTYPE_NAMES, NGRAM_OPEN_OPTIONS, check_ngram_open, check_spec
 
 if TYPE_CHECKING:
     from dart_client.decoding.config import GenerationConfig
@@ -228,8 +228,11 @@ def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentPar
         args.ngram = "embedded"
     if args.ngram and args.ngram != "embedded" and not args.ngram.startswith("grpc"):
         _check(parser, "--ngram", "n-gram model", args.ngram, suffixes=(".ngram", ".trie"))
-    if args.ngram_open and (args.ngram_server or (args.ngram or "").startswith("grpc")):
-        parser.error("--ngram-open applies to a local model; the daemon opens its own")
+    daemon = args.ngram_server or (args.ngram if (args.ngram or "").startswith("grpc") else None)
+    try:
+        check_ngram_open(args.ngram_open, daemon=daemon)
+    except DartError as err:
+        parser.error(f"--ngram-open: {err}")
 
 
 def _check(
