@@ -14,7 +14,7 @@ from dart_client.models.native import bf16_bits
 from dart_client.models.target import TargetModel
 
 needs_simd = pytest.mark.skipif(
-    not _native.decoding_matmul_simd(), reason="DART's CPU kernels need AVX-512"
+    not _native.decoding_matmul_simd(), reason="DART's CPU kernels need AVX-512 or AVX2+FMA"
 )
 
 
@@ -162,11 +162,11 @@ def test_a_bf16_tree_forward_gives_one_token_decodings_logits_bit_for_bit(arch: 
         assert torch.equal(tree[0, i], logits[0, 0]), f"node {i} (path {path})"
 
 
-#: CPU kernel sets a bf16 target can run on: DART's matmul on AMX tiles or AVX-512 (with
-#: DART's tree attention; both promise tree rows bit-identical to one-token decoding), and
+#: CPU kernel sets a bf16 target can run on: DART's matmul on AMX tiles, AVX-512 or AVX2 (with
+#: DART's tree attention; all promise tree rows bit-identical to one-token decoding), and
 #: the portable path (PyTorch / oneDNN matmuls, float32 small-query attention, SDPA for one
 #: query), which promises equality only up to near-ties.
-KERNEL_BACKENDS = ["amx", "avx512", "portable"]
+KERNEL_BACKENDS = ["amx", "avx512", "avx2", "portable"]
 
 
 def use_kernels(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,11 +177,9 @@ def use_kernels(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(attention, "SIMD_KERNELS", False)
         monkeypatch.setattr(linear, "_cpu_matmul", "onednn")
         return
-    have = _native.decoding_matmul_backend()
-    if backend == "amx" and have != "amx":
-        pytest.skip(f"needs AMX-BF16: this CPU's best matmul backend is {have!r}")
-    if not _native.decoding_matmul_simd():
-        pytest.skip("needs AVX-512F/BW/VL, which this CPU lacks")
+    have = _native.decoding_matmul_backends()
+    if backend not in have:
+        pytest.skip(f"needs the {backend} kernel: this CPU runs {have}")
     monkeypatch.setattr(linear, "_cpu_matmul", "dart")
 
     def forced(self: linear.DartMatmul, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -4,6 +4,10 @@ refused, and the switch between it and oneDNN."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +21,7 @@ from dart_client.models.linear import DartMatmul, OneDnnMatmul, pack_for_cpu, se
 
 needs_simd = pytest.mark.skipif(
     not _native.decoding_matmul_simd(),
-    reason="the CPU has no AVX-512 (the scalar kernel is tested in Rust)",
+    reason="the CPU has neither AVX-512 nor AVX2+FMA (the scalar kernel is tested in Rust)",
 )
 
 
@@ -76,20 +80,54 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(rows: int, pick: int, 
 
 
 @needs_simd
-def test_avx512_and_scalar_kernels_give_the_same_bits() -> None:
+def test_every_simd_kernel_gives_the_scalar_kernels_bits() -> None:
+    """Each backend this CPU runs besides AMX (which rounds its own way), on one and three
+    threads."""
+    runnable = [b for b in _native.decoding_matmul_backends() if b not in ("amx", "scalar")]
+    assert runnable
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 33, generator=g).bfloat16()
     x = torch.randn(13, 33, generator=g).bfloat16()
     b = torch.randn(70, generator=g).bfloat16()
     packed = _native.PackedMatrix(w.view(torch.uint16).numpy())
-    outs = []
-    for backend, threads in (("scalar", 1), ("avx512", 1), ("avx512", 3)):
+
+    def run(backend: str, threads: int) -> np.ndarray:
         out = np.zeros((13, 70), dtype=np.uint16)
         packed.matmul(
             x.view(torch.uint16).numpy(), out, b.view(torch.uint16).numpy(), threads, backend
         )
-        outs.append(out)
-    assert (outs[0] == outs[1]).all() and (outs[0] == outs[2]).all()
+        return out
+
+    want = run("scalar", 1)
+    for backend in runnable:
+        for threads in (1, 3):
+            assert (run(backend, threads) == want).all(), (backend, threads)
+
+
+def test_dart_max_cpu_isa_caps_the_kernels_auto_picks() -> None:
+    """``DART_MAX_CPU_ISA`` (like oneDNN's ``ONEDNN_MAX_CPU_ISA``) lowers what ``auto`` runs,
+    never above what the CPU has; a value naming no backend fails the import, naming it."""
+    ladder = ["scalar", "avx2", "avx512", "amx"]
+    have = ladder.index(_native.decoding_matmul_backends()[0])
+
+    def import_with(value: str) -> subprocess.CompletedProcess[str]:
+        code = (
+            "from dart_client.models import native; from dart_client import _native; "
+            "print(_native.decoding_matmul_backend(), native.SIMD_KERNELS)"
+        )
+        env = {**os.environ, "DART_MAX_CPU_ISA": value}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    for cap in ladder:
+        run = import_with(cap.upper() if cap == "avx2" else cap)
+        assert run.returncode == 0, run.stderr
+        want = ladder[min(have, ladder.index(cap))]
+        assert run.stdout.split() == [want, str(want != "scalar")]
+    bad = import_with("avx-512")
+    assert bad.returncode != 0
+    assert 'DART_MAX_CPU_ISA="avx-512"' in bad.stderr and "avx512" in bad.stderr
 
 
 def test_bad_arrays_are_clear_errors() -> None:
@@ -126,7 +164,7 @@ def test_the_cpu_matmul_switch() -> None:
             set_cpu_matmul("dart")
             assert isinstance(pack_for_cpu(w), DartMatmul)
         else:
-            with pytest.raises(RuntimeError, match="AVX-512"):
+            with pytest.raises(RuntimeError, match=r"AVX-512 .* or AVX2 with FMA"):
                 set_cpu_matmul("dart")
         # fp32 weights never take DART's (bf16) matmul.
         assert not isinstance(pack_for_cpu(w.float()), DartMatmul)
@@ -172,7 +210,7 @@ def test_the_amx_kernel_is_the_product_row_by_row_or_a_clear_error() -> None:
         )
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
 
-    if _native.decoding_matmul_backend() != "amx":
+    if "amx" not in _native.decoding_matmul_backends():
         with pytest.raises(_native.KernelError, match="AMX-BF16"):
             amx(x)
         return

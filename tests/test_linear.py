@@ -24,7 +24,8 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-#: dtypes this CPU packs (fp32 wherever oneDNN runs; bf16 needs AVX-512 or AVX-NE-CONVERT).
+#: dtypes this CPU packs (fp32 wherever oneDNN runs; bf16 with DART's matmul on AVX-512/AVX2,
+#: else oneDNN's with AVX-512 or AVX-NE-CONVERT).
 PACKED_DTYPES = [d for d in (torch.bfloat16, torch.float32) if cpu_packing_available(d)]
 
 
@@ -64,7 +65,7 @@ def test_packed_target_computes_what_the_plain_one_does(dtype: torch.dtype) -> N
     ]
     assert len(cached) == report.layers and all(p is not None for _, p in cached)
     # One row (a decoding step): PyTorch's kernel under oneDNN packing (bit-identical); DART's
-    # matmul for bf16 on AVX-512 CPUs, the same product up to bf16 rounding.
+    # matmul for bf16 on AVX-512/AVX2 CPUs, the same product up to bf16 rounding.
     one = logits(model, ids[:, :1])
     if dtype == torch.float32 or not SIMD_KERNELS:
         assert torch.equal(one, want_one)
@@ -180,7 +181,9 @@ def test_gradients_reach_the_input_of_a_packed_frozen_model() -> None:
         assert embeds.grad is not None and bool(embeds.grad.abs().sum() > 0)
 
 
-@pytest.mark.skipif(not SIMD_KERNELS, reason="DART's bf16 decoding matmul needs AVX-512")
+@pytest.mark.skipif(
+    not SIMD_KERNELS, reason="DART's bf16 decoding matmul needs AVX-512 or AVX2+FMA"
+)
 def test_a_prefill_takes_pytorchs_matmul_and_a_tree_takes_the_decoding_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -176,9 +176,9 @@ def sharegpt_ngram(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def exact_is_promised(dtype: torch.dtype) -> bool:
     """Where the README promises greedy DART == greedy AR bit for bit: bf16 on DART's own
     CPU kernels (a tree row is computed exactly as that token alone). Elsewhere (fp32, bf16
-    without AVX-512) a one-token step and a tree take different kernels (SDPA vs the float32
-    small-query attention, oneDNN / PyTorch matmuls per row count), so only near-ties may
-    differ."""
+    without AVX-512 or AVX2+FMA) a one-token step and a tree take different kernels (SDPA vs
+    the float32 small-query attention, oneDNN / PyTorch matmuls per row count), so only
+    near-ties may differ."""
     from dart_client.models.native import SIMD_KERNELS
 
     return dtype == torch.bfloat16 and SIMD_KERNELS

@@ -5,13 +5,13 @@ against hundreds of cached keys. PyTorch's CPU ``scaled_dot_product_attention`` 
 kernel, tiled for long query blocks) is slow at that shape: two matmuls and a softmax take
 about half its time (measurements: ``docs/performance-notes.md``).
 
-:func:`small_query_attention` computes those shapes directly. In bf16 on CPUs with AVX-512
-it calls DART's own kernel (``dart_kernels::attention``) for every query count up to
+:func:`small_query_attention` computes those shapes directly. In bf16 on CPUs with AVX-512 or
+AVX2+FMA it calls DART's own kernel (``dart_kernels::attention``) for every query count up to
 :data:`MAX_QUERIES`, one query included: each query from its own visible keys, in order, so
 with DART's matmul (:mod:`dart_client.models.linear`) a tree's logits are one-token
 decoding's bit for bit, and greedy DART reproduces greedy decoding exactly on the CPU. It
 costs about what the paths below cost. Otherwise (other dtypes, CPUs
-without AVX-512) it works in float32 (float64 for float64 models), at least as exact as the
+without them) it works in float32 (float64 for float64 models), at least as exact as the
 flash kernel: the query heads that share a
 key/value head become extra query rows of it (no copies of K/V), the mask is broadcast over
 them. One query (transformers already packs it well), long query blocks (prompts), dropout,
@@ -116,7 +116,7 @@ def _native_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """``dart_kernels::attention`` (bf16, AVX-512): each query from its own visible keys in
+    """``dart_kernels::attention`` (bf16, AVX-512 or AVX2): each query from its own visible keys in
     order, so a tree node's output has the bits of decoding its path one token at a time
     (with DART's matmul, the whole forward does). (b, n, h, d), like transformers' SDPA."""
     b, h, n, d = query.shape

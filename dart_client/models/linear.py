@@ -5,14 +5,17 @@ dozen nodes) much slower per weight byte than one row, so a tree forward costs f
 an autoregressive one. Two packed kernels close that gap (measurements:
 ``docs/performance-notes.md``):
 
-- bf16 weights on CPUs with AVX-512 use DART's own matmul (``dart_kernels::PackedMatrix``,
-  bound as ``dart_client._native.PackedMatrix``): a panel layout streamed once per call with
-  software prefetch, up to 12 rows per weight load, f32 FMAs. Every row is computed in the
-  same order whatever the row count, so a tree's products equal one-token decoding's bit for
-  bit. On CPUs with AMX-BF16 the same layout is multiplied in tiles, up to 32 rows per weight
-  load (``_native.decoding_matmul_backend()`` says which kernel runs); rows are
-  bit-independent there too.
-- fp32 weights, and bf16 where AVX-512 is missing, use oneDNN's prepacked weights (the kernels
+- bf16 weights on CPUs with AVX-512 or AVX2+FMA use DART's own matmul
+  (``dart_kernels::PackedMatrix``, bound as ``dart_client._native.PackedMatrix``): a panel
+  layout streamed once per call with software prefetch, up to 12 rows per weight load, f32
+  FMAs. Every row is computed in the same order whatever the row count, so a tree's products
+  equal one-token decoding's bit for bit. On CPUs with AMX-BF16 the same layout is
+  multiplied in tiles, up to 32 rows per weight load; on CPUs with AVX2 and FMA but no
+  AVX-512 (AMD Zen 1-3, Intel client cores), in 8-lane registers
+  (``_native.decoding_matmul_backend()`` says which kernel runs). The AVX2, AVX-512 and
+  scalar kernels give the same bits (one f32 FMA per input, in input order, per output); AMX
+  rounds its own way, but its rows too are independent of each other.
+- fp32 weights, and bf16 on CPUs without AVX2, use oneDNN's prepacked weights (the kernels
   IPEX and vLLM's CPU backend use). A single row keeps PyTorch's kernel there.
 
 The packed copy lives beside the parameters (the checkpoint layout never changes) and is
@@ -48,14 +51,16 @@ _cpu_matmul: CpuMatmul = "auto"
 
 def set_cpu_matmul(kind: CpuMatmul) -> None:
     """Which packed kernel multiplies bf16 weights from now on: ``"auto"`` (DART's own where
-    the CPU has AVX-512, otherwise oneDNN), ``"dart"`` (an error without AVX-512) or
+    the CPU has AVX-512 or AVX2+FMA, otherwise oneDNN), ``"dart"`` (an error without them) or
     ``"onednn"``. Each kind keeps its own packed copies (switching back costs nothing, each
     kind in use costs the weights' size again)."""
     global _cpu_matmul
     if kind not in ("auto", "dart", "onednn"):
         raise ValueError(f"cpu matmul {kind!r}; expected 'auto', 'dart' or 'onednn'")
     if kind == "dart" and not SIMD_KERNELS:
-        raise RuntimeError("DART's CPU matmul needs AVX-512 (F, BW, VL); this CPU has none")
+        raise RuntimeError(
+            "DART's CPU matmul needs AVX-512 (F, BW, VL) or AVX2 with FMA; this CPU has neither"
+        )
     _cpu_matmul = kind
 
 
@@ -174,7 +179,7 @@ def derived_weight(
 
 
 def pack_for_cpu(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` packed for the CPU's matmul of a few rows (DART's own for bf16 on AVX-512,
+    """``weight`` packed for the CPU's matmul of a few rows (DART's own for bf16 on AVX-512/AVX2,
     otherwise oneDNN's), or None where neither applies (other devices and dtypes, builds
     without oneDNN, CPUs it does not support)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE or weight.dim() != 2:
@@ -233,7 +238,7 @@ def pack_linear_layers(model: nn.Module, *, max_memory_fraction: float = 0.5) ->
     if not parents:
         return PackReport(0, 0, "no CPU bf16/fp32 nn.Linear layers")
     if pack_for_cpu(parents[0][2].weight) is None:
-        return PackReport(0, 0, "no packed CPU matmul (AVX-512 or oneDNN) on this build or CPU")
+        return PackReport(0, 0, "no packed CPU matmul (DART's or oneDNN's) on this build or CPU")
     # A tied weight (lm_head = embedding) is one tensor: count every storage once.
     sizes = {
         child.weight.data_ptr(): child.weight.numel() * child.weight.element_size()

@@ -7,7 +7,7 @@ One model is loaded; for every tree size it times the target forward (``verify``
 the model call only) over ``n`` new tokens on a cache of ``--context`` tokens, alternating
 PyTorch's own kernels (``plain``) and the decoding kernels of
 :class:`~dart_client.models.target.TargetModel` (packed linear layers, small-query attention)
-with oneDNN's matmul (``onednn``) and with DART's (``dart``, bf16 on AVX-512 CPUs), so all
+with oneDNN's matmul (``onednn``) and with DART's (``dart``, bf16 on AVX-512/AVX2 CPUs), so all
 see the same machine state. Reported: the median milliseconds and the
 cost relative to one token with the same kernels -- the ratio that decides how large a tree
 pays off (see :mod:`dart_client.decoding.autotune`).
@@ -47,7 +47,7 @@ def forward_ms(target: TargetModel, n: int, context: int, seed: int) -> float:
 
 def kernel_sets(target: TargetModel) -> list[str]:
     """The kernel sets worth timing on this target: PyTorch's own (``plain``), oneDNN-packed
-    linear layers, and DART's matmul where it applies (bf16 on an AVX-512 CPU)."""
+    linear layers, and DART's matmul where it applies (bf16 on an AVX-512 or AVX2 CPU)."""
     kinds = ["plain", "onednn"]
     if target.model.dtype == torch.bfloat16 and _native.decoding_matmul_simd():
         kinds.append("dart")

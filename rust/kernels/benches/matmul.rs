@@ -2,7 +2,7 @@
 //! plus the tied output projection (268 MB in bf16, more than most caches), per row count.
 //! `matmul/<backend>/<rows>` against `matmul/<backend>/1` is the cost of verifying a tree of
 //! that many tokens relative to one decoding step (linear layers only), for every backend this
-//! CPU runs (AMX tiles, AVX-512 FMAs).
+//! CPU runs (AMX tiles, AVX-512 or AVX2 FMAs).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dart_kernels::{f32_to_bf16, Backend, PackedMatrix};
@@ -45,8 +45,11 @@ fn bench(c: &mut Criterion) {
     if Backend::amx_available() {
         backends.push(Backend::Amx);
     }
-    if Backend::simd_available() {
+    if Backend::avx512_available() {
         backends.push(Backend::Avx512);
+    }
+    if Backend::avx2_available() {
+        backends.push(Backend::Avx2);
     }
     if backends.is_empty() {
         backends.push(Backend::Scalar);

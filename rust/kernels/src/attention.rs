@@ -95,7 +95,28 @@ pub fn attention(
     out: &mut [u16],
     threads: usize,
 ) -> Result<()> {
-    attention_into(query, key, value, mask, scale, out, threads)
+    attention_into(query, key, value, mask, scale, out, threads, Isa::best())
+}
+
+/// The instruction set a call runs on: the best this CPU has ([`Isa::best`]); tests ask for
+/// the lesser ones too, since every one must keep a query's result independent of the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Avx512,
+    Avx2,
+    Scalar,
+}
+
+impl Isa {
+    /// The matmul's choice ([`crate::Backend::best`], capped by `DART_MAX_CPU_ISA` alike):
+    /// AMX CPUs run the AVX-512 attention.
+    pub(crate) fn best() -> Isa {
+        match crate::Backend::best() {
+            crate::Backend::Amx | crate::Backend::Avx512 | crate::Backend::Auto => Isa::Avx512,
+            crate::Backend::Avx2 => Isa::Avx2,
+            crate::Backend::Scalar => Isa::Scalar,
+        }
+    }
 }
 
 /// An output element: bf16 bits (what models take) or f32 (what tests compare, since bf16
@@ -116,6 +137,8 @@ impl Output for f32 {
     }
 }
 
+// `attention`'s arguments plus the instruction set (which tests choose).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_into<O: Output>(
     query: &View4<'_>,
     key: &View4<'_>,
@@ -124,6 +147,7 @@ pub(crate) fn attention_into<O: Output>(
     scale: f32,
     out: &mut [O],
     threads: usize,
+    isa: Isa,
 ) -> Result<()> {
     let [batch, heads, queries, dim] = query.shape;
     let [kb, kv_heads, length, kd] = key.shape;
@@ -161,7 +185,8 @@ pub(crate) fn attention_into<O: Output>(
             got: out.len(),
         });
     }
-    let simd = crate::Backend::simd_available();
+    let avx512 = isa == Isa::Avx512;
+    let avx2 = isa == Isa::Avx2;
     let group = heads / kv_heads;
     // Query rows computed together share one pass over the keys and values (they see the
     // same keys: the heads of one kv group at one query position, unless the mask differs
@@ -201,7 +226,7 @@ pub(crate) fn attention_into<O: Output>(
             let padded = seen.len().next_multiple_of(16);
             keys_t.clear();
             keys_t.resize(dim * padded, 0.0);
-            transpose_keys(key, b, g, &seen, padded, &mut keys_t, simd);
+            transpose_keys(key, b, g, &seen, padded, &mut keys_t, avx512);
             values_f32.clear();
             for &j in &seen {
                 values_f32.extend(value.row(b, g, j as usize).iter().map(|&x| bf16_to_f32(x)));
@@ -219,7 +244,8 @@ pub(crate) fn attention_into<O: Output>(
                 g,
                 group,
                 queries,
-                simd,
+                avx512,
+                avx2,
             };
             let mut write = |(i, h0, rows): (usize, usize, usize), acc: &[f32]| {
                 for r in 0..rows {
@@ -298,16 +324,16 @@ fn transpose_keys(
     seen: &[u32],
     padded: usize,
     keys_t: &mut [f32],
-    simd: bool,
+    avx512: bool,
 ) {
     let dim = key.shape[3];
     #[cfg(target_arch = "x86_64")]
-    if simd && dim.is_multiple_of(2) {
-        // SAFETY: simd is only true where AVX-512F/BW/VL run; rows are in bounds (View4::new).
+    if avx512 && dim.is_multiple_of(2) {
+        // SAFETY: avx512 is only true where AVX-512F/BW/VL run; rows are in bounds (View4::new).
         unsafe { avx512::transpose_keys(key, b, g, seen, padded, keys_t) };
         return;
     }
-    let _ = (simd, dim);
+    let _ = (avx512, dim);
     for (t, &j) in seen.iter().enumerate() {
         for (c, &bits) in key.row(b, g, j as usize).iter().enumerate() {
             keys_t[c * padded + t] = bf16_to_f32(bits);
@@ -330,7 +356,8 @@ struct Head<'a, 'v> {
     g: usize,
     group: usize,
     queries: usize,
-    simd: bool,
+    avx512: bool,
+    avx2: bool,
 }
 
 impl Head<'_, '_> {
@@ -384,9 +411,17 @@ impl Head<'_, '_> {
             s.scores.extend_from_slice(&s.adds);
         }
         #[cfg(target_arch = "x86_64")]
-        if self.simd && dim.div_ceil(16) * rows <= 16 {
-            // SAFETY: simd is only true where AVX-512F/BW/VL run.
+        if self.avx512 && dim.div_ceil(16) * rows <= 16 {
+            // SAFETY: avx512 is only true where AVX-512F/BW/VL run.
             unsafe { avx512::unit(self.keys_t, self.padded, self.values, self.scale, rows, s) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2 {
+            // SAFETY: avx2 is only true where AVX2 and FMA run.
+            unsafe {
+                scalar::unit_avx2(self.keys_t, self.padded, self.values, self.scale, rows, s)
+            };
             return;
         }
         scalar::unit(self.keys_t, self.padded, self.values, self.scale, rows, s);
@@ -420,10 +455,31 @@ fn shape_error(what: &'static str, shape: [usize; 4], expected: &'static str) ->
 /// The portable path (CPUs without AVX-512, head dimensions over 256): the same definition
 /// in scalar operations, row after row. The dot products are the SIMD path's bit for bit;
 /// the softmax rounds differently (a sequential sum, libm's exp), but it too treats each
-/// query on its own, so it shares the property that matters.
+/// query on its own, so it shares the property that matters. On CPUs with AVX2 and FMA
+/// (without AVX-512) it runs compiled for them ([`scalar::unit_avx2`]).
 mod scalar {
     use super::*;
 
+    /// [`unit`] compiled for AVX2 and FMA: the same operations in the same order (`mul_add`
+    /// is one fused FMA either way, and nothing is reassociated), so the same bits, with the
+    /// loops over keys and over the head dimension vectorised.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn unit_avx2(
+        keys_t: &[f32],
+        padded: usize,
+        values: &[f32],
+        scale: f32,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        unit(keys_t, padded, values, scale, rows, s)
+    }
+
+    #[inline(always)]
     pub fn unit(
         keys_t: &[f32],
         padded: usize,
@@ -738,7 +794,7 @@ mod tests {
     }
 
     fn run(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, threads: usize) -> Vec<u16> {
-        run_into(q, k, v, mask, threads)
+        run_into(q, k, v, mask, threads, Isa::best())
     }
 
     fn run_into<O: Output + Default>(
@@ -747,12 +803,13 @@ mod tests {
         v: &Tensor,
         mask: Option<&Tensor>,
         threads: usize,
+        isa: Isa,
     ) -> Vec<O> {
         let [b, h, n, d] = q.shape;
         let mut out = vec![O::default(); b * n * h * d];
         let mask = mask.map(Tensor::view);
         let (q, k, v) = (q.view(), k.view(), v.view());
-        attention_into(&q, &k, &v, mask.as_ref(), 0.125, &mut out, threads).unwrap();
+        attention_into(&q, &k, &v, mask.as_ref(), 0.125, &mut out, threads, isa).unwrap();
         out
     }
 
@@ -802,6 +859,51 @@ mod tests {
         }
     }
 
+    /// Every instruction set this CPU runs, the best first.
+    fn runnable_isas() -> Vec<Isa> {
+        let mut isas = Vec::new();
+        if crate::Backend::avx512_available() {
+            isas.push(Isa::Avx512);
+        }
+        if crate::Backend::avx2_available() {
+            isas.push(Isa::Avx2);
+        }
+        isas.push(Isa::Scalar);
+        isas
+    }
+
+    /// The AVX2 build of the portable path promises the portable path's bits exactly (the
+    /// same operations, vectorised), masked and batched, any number of threads.
+    #[test]
+    fn the_avx2_path_gives_the_portable_paths_bits() {
+        if !crate::Backend::avx2_available() {
+            eprintln!("skipped: this CPU has no AVX2 and FMA");
+            return;
+        }
+        for (seed, dim) in [(11u32, 64usize), (12, 24), (13, 7), (14, 80)] {
+            let (b, h, kvh, n, l) = (2, 6, 2, 9, 70);
+            let q = Tensor::new([b, h, n, dim], noise(seed));
+            let k = Tensor::new([b, kvh, l, dim], noise(seed ^ 1));
+            let v = Tensor::new([b, kvh, l, dim], noise(seed ^ 2));
+            let mask = Tensor::new(
+                [b, h, n, l],
+                noise(seed ^ 3).map(|x| if x > 1.2 { f32::MIN } else { x / 3.0 }),
+            );
+            for mask in [None, Some(&mask)] {
+                let scalar: Vec<f32> = run_into(&q, &k, &v, mask, 1, Isa::Scalar);
+                let avx2: Vec<f32> = run_into(&q, &k, &v, mask, 2, Isa::Avx2);
+                assert!(
+                    scalar
+                        .iter()
+                        .zip(&avx2)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "dim {dim}, mask {}",
+                    mask.is_some()
+                );
+            }
+        }
+    }
+
     fn itertools(b: usize, h: usize, n: usize) -> impl Iterator<Item = (usize, usize, usize)> {
         (0..b).flat_map(move |bi| (0..h).flat_map(move |hi| (0..n).map(move |i| (bi, hi, i))))
     }
@@ -820,6 +922,7 @@ mod tests {
             seed in any::<u32>(),
             edges in proptest::collection::vec(any::<bool>(), 400),
             threads in 1usize..3,
+            isa in prop::sample::select(runnable_isas()),
         ) {
             let (heads, kv_heads) = (4, 2);
             let length = context + nodes;
@@ -834,7 +937,7 @@ mod tests {
                     .map(|(i, j)| if sees(i, j) { 0.0 } else { f32::MIN }),
             );
             // In f32: bf16 rounding would hide most differences in the order of operations.
-            let tree: Vec<f32> = run_into(&q, &k, &v, Some(&mask), threads);
+            let tree: Vec<f32> = run_into(&q, &k, &v, Some(&mask), threads, isa);
             for i in 0..nodes {
                 let visible: Vec<usize> = (0..length).filter(|&j| sees(i, j)).collect();
                 let pick = |t: &Tensor| Tensor::new(
@@ -846,7 +949,7 @@ mod tests {
                     [1, heads, 1, dim],
                     (0..heads).flat_map(|h| (0..dim).map(move |c| (h, c))).map(|(h, c)| q.at([0, h, i, c]) as f32),
                 );
-                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
+                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1, isa);
                 let got = &tree[i * heads * dim..(i + 1) * heads * dim];
                 prop_assert!(got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
@@ -879,7 +982,7 @@ mod tests {
                     .flat_map(|h| (0..nodes).flat_map(move |i| (0..length).map(move |j| (h, i, j))))
                     .map(|(h, i, j)| if sees(h, i, j) { 0.0 } else { f32::MIN }),
             );
-            let tree: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1);
+            let tree: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1, Isa::best());
             for (h, i) in (0..heads).flat_map(|h| (0..nodes).map(move |i| (h, i))) {
                 let g = h / (heads / kv_heads);
                 let visible: Vec<usize> = (0..length).filter(|&j| sees(h, i, j)).collect();
@@ -889,7 +992,7 @@ mod tests {
                         .map(|(j, c)| t.at([0, g, j, c]) as f32),
                 );
                 let one_q = Tensor::new([1, 1, 1, dim], (0..dim).map(|c| q.at([0, h, i, c]) as f32));
-                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
+                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1, Isa::best());
                 let at = (i * heads + h) * dim;
                 prop_assert!(tree[at..at + dim].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
@@ -927,7 +1030,7 @@ mod tests {
                     .flat_map(|b| (0..nodes).flat_map(move |i| (0..length).map(move |j| (b, i, j))))
                     .map(|(b, i, j)| if sees(b, i, j) { 0.0 } else { f32::MIN }),
             );
-            let got: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1);
+            let got: Vec<f32> = run_into(&q, &k, &v, Some(&mask), 1, Isa::best());
             for (b, i) in (0..batch).flat_map(|b| (0..nodes).map(move |i| (b, i))) {
                 let visible: Vec<usize> = (0..length).filter(|&j| sees(b, i, j)).collect();
                 let pick = |t: &Tensor| Tensor::new(
@@ -939,7 +1042,7 @@ mod tests {
                     [1, heads, 1, dim],
                     (0..heads).flat_map(|h| (0..dim).map(move |c| (h, c))).map(|(h, c)| q.at([b, h, i, c]) as f32),
                 );
-                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1);
+                let alone: Vec<f32> = run_into(&one_q, &pick(&k), &pick(&v), None, 1, Isa::best());
                 let at = (b * nodes + i) * heads * dim;
                 prop_assert!(got[at..at + heads * dim].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()));
             }

@@ -33,6 +33,9 @@ pub enum KernelError {
     /// The requested backend cannot run on this CPU.
     #[error("the {0} backend is not available on this CPU")]
     Unavailable(&'static str),
+    /// `DART_MAX_CPU_ISA` names no backend.
+    #[error("DART_MAX_CPU_ISA={0:?}: expected one of amx, avx512, avx2, scalar")]
+    MaxIsa(String),
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;

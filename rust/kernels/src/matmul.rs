@@ -11,8 +11,8 @@
 //!
 //! Order of operations. Every output is `bias` (or 0) followed by one f32 FMA per input, in
 //! input order, rounded to bf16 once at the end. Nothing depends on `m` or on which rows are
-//! multiplied together, so the SIMD kernel and the scalar one give the same bits, and a row's
-//! result is the same in a tree of 30 rows as alone.
+//! multiplied together, so the SIMD kernels (AVX-512, AVX2) and the scalar one give the same
+//! bits, and a row's result is the same in a tree of 30 rows as alone.
 //!
 //! AMX. On CPUs with AMX-BF16 (Sapphire Rapids and later) the same layout is what a tile
 //! multiplication reads: 16 consecutive input pairs of a panel's first (or last) 16 outputs
@@ -54,19 +54,23 @@ struct Line([u16; 32]);
 /// Which implementation multiplies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// The best one this CPU runs: AMX, else AVX-512, else scalar ([`Backend::best`]).
+    /// The best one this CPU runs: AMX, else AVX-512, else AVX2, else scalar
+    /// ([`Backend::best`]).
     Auto,
     /// AMX-BF16 tiles (x86-64 Linux, with AVX-512 for the conversions).
     Amx,
     /// AVX-512F/BW/VL (x86-64 only).
     Avx512,
+    /// AVX2 and FMA (x86-64 only: AMD Zen 1-3, Intel client cores without AVX-512); the same
+    /// bits as [`Backend::Avx512`], 8 lanes at a time.
+    Avx2,
     /// Portable Rust; the same bits as [`Backend::Avx512`], much slower.
     Scalar,
 }
 
 impl Backend {
     /// Whether the AVX-512 kernel runs on this CPU.
-    pub fn simd_available() -> bool {
+    pub fn avx512_available() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
             avx512::available()
@@ -75,6 +79,24 @@ impl Backend {
         {
             false
         }
+    }
+
+    /// Whether the AVX2 kernel runs on this CPU (AVX2 and FMA).
+    pub fn avx2_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            avx2::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// Whether this CPU runs a SIMD kernel ([`Backend::best`] is not the scalar one): the
+    /// decoding kernels are then fast enough to replace PyTorch's.
+    pub fn any_simd_available() -> bool {
+        Self::best() != Backend::Scalar
     }
 
     /// Whether the AMX kernel runs here: the CPU has AMX-BF16 and AVX-512, and the OS let this
@@ -90,22 +112,68 @@ impl Backend {
         }
     }
 
-    /// What [`Backend::Auto`] runs on this CPU.
+    /// The backends this CPU runs, the most capable first (scalar always last), whatever
+    /// `DART_MAX_CPU_ISA` says.
+    pub fn runnable() -> Vec<Backend> {
+        [
+            (Backend::Amx, Self::amx_available()),
+            (Backend::Avx512, Self::avx512_available()),
+            (Backend::Avx2, Self::avx2_available()),
+            (Backend::Scalar, true),
+        ]
+        .into_iter()
+        .filter_map(|(b, available)| available.then_some(b))
+        .collect()
+    }
+
+    /// What [`Backend::Auto`] runs on this CPU: the most capable backend it runs, at most
+    /// the one the environment variable `DART_MAX_CPU_ISA` names (as `ONEDNN_MAX_CPU_ISA`
+    /// caps oneDNN: to reproduce another CPU's kernels, or to measure them side by side). A
+    /// value naming no backend is ignored here and reported by [`Backend::max_isa`].
     pub fn best() -> Backend {
-        if Self::amx_available() {
-            Backend::Amx
-        } else if Self::simd_available() {
-            Backend::Avx512
-        } else {
-            Backend::Scalar
+        static BEST: OnceLock<Backend> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let cap = Self::max_isa().ok().flatten().unwrap_or(Backend::Amx);
+            Self::runnable()
+                .into_iter()
+                .find(|b| b.rank() <= cap.rank())
+                .unwrap_or(Backend::Scalar)
+        })
+    }
+
+    /// The cap `DART_MAX_CPU_ISA` sets on [`Backend::best`]: None when unset or empty, an
+    /// error when it names no backend ("auto" included: it is not a cap).
+    pub fn max_isa() -> Result<Option<Backend>> {
+        Self::parse_max_isa(std::env::var("DART_MAX_CPU_ISA").ok())
+    }
+
+    fn parse_max_isa(value: Option<String>) -> Result<Option<Backend>> {
+        match value {
+            None => Ok(None),
+            Some(v) if v.trim().is_empty() => Ok(None),
+            Some(v) => match Self::from_name(&v.trim().to_ascii_lowercase()) {
+                Some(Backend::Auto) | None => Err(KernelError::MaxIsa(v)),
+                Some(b) => Ok(Some(b)),
+            },
+        }
+    }
+
+    /// How much a backend asks of the CPU: each needs what the ones below it need.
+    fn rank(self) -> u8 {
+        match self {
+            Backend::Scalar => 0,
+            Backend::Avx2 => 1,
+            Backend::Avx512 => 2,
+            Backend::Amx | Backend::Auto => 3,
         }
     }
 
     /// Every backend, in the order [`Backend::name`] lists them.
-    pub const ALL: [Backend; 4] = [
+    pub const ALL: [Backend; 5] = [
         Backend::Auto,
         Backend::Amx,
         Backend::Avx512,
+        Backend::Avx2,
         Backend::Scalar,
     ];
 
@@ -115,6 +183,7 @@ impl Backend {
             Backend::Auto => "auto",
             Backend::Amx => "amx",
             Backend::Avx512 => "avx512",
+            Backend::Avx2 => "avx2",
             Backend::Scalar => "scalar",
         }
     }
@@ -236,8 +305,11 @@ impl PackedMatrix {
             Backend::Amx if !Backend::amx_available() => {
                 return Err(KernelError::Unavailable("AMX-BF16"))
             }
-            Backend::Avx512 if !Backend::simd_available() => {
+            Backend::Avx512 if !Backend::avx512_available() => {
                 return Err(KernelError::Unavailable("AVX-512"))
+            }
+            Backend::Avx2 if !Backend::avx2_available() => {
+                return Err(KernelError::Unavailable("AVX2 and FMA"))
             }
             chosen => chosen,
         };
@@ -280,7 +352,7 @@ impl PackedMatrix {
             Kernel::Fma {
                 x: &xf,
                 stride,
-                simd: backend == Backend::Avx512,
+                backend,
             }
         };
         let job = Job {
@@ -326,11 +398,12 @@ struct Job<'a> {
 enum Kernel<'a> {
     /// Tiles over bf16 rows padded to whole blocks.
     Amx { x: &'a [u16], stride: usize },
-    /// The FMA chain over f32 rows padded to whole pairs: AVX-512 when `simd`, else scalar.
+    /// The FMA chain over f32 rows padded to whole pairs, by `backend` (AVX-512, AVX2 or
+    /// scalar: the same bits).
     Fma {
         x: &'a [f32],
         stride: usize,
-        simd: bool,
+        backend: Backend,
     },
 }
 
@@ -350,11 +423,17 @@ impl Job<'_> {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx { .. } => unreachable!("AMX is x86-64 only"),
-            Kernel::Fma { x, stride, simd } => self.run_fma(x, stride, simd, panels),
+            Kernel::Fma { x, stride, backend } => self.run_fma(x, stride, backend, panels),
         }
     }
 
-    fn run_fma(&self, x: &[f32], x_stride: usize, simd: bool, panels: std::ops::Range<usize>) {
+    fn run_fma(
+        &self,
+        x: &[f32],
+        x_stride: usize,
+        backend: Backend,
+        panels: std::ops::Range<usize>,
+    ) {
         let m = self.matrix;
         // Rows in near-equal passes of at most MAX_ROWS_PER_PASS (16 rows: 8 + 8 measured 8%
         // faster than 12 + 4).
@@ -382,14 +461,14 @@ impl Job<'_> {
                     columns,
                     rows: count,
                 };
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: `simd` is only true when avx512::available().
-                    unsafe { avx512::tile(&tile) };
-                    row += count;
-                    continue;
+                match backend {
+                    // SAFETY: matmul_with runs these backends only where they are available.
+                    #[cfg(target_arch = "x86_64")]
+                    Backend::Avx512 => unsafe { avx512::tile(&tile) },
+                    #[cfg(target_arch = "x86_64")]
+                    Backend::Avx2 => unsafe { avx2::tile(&tile) },
+                    _ => tile.scalar(),
                 }
-                tile.scalar();
                 row += count;
             }
         }
@@ -514,6 +593,88 @@ mod avx512 {
                     _mm256_storeu_si256(dst.cast(), packed);
                 } else {
                     _mm256_mask_storeu_epi16(dst.cast(), lanes(valid), packed);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX-512 kernel's FMA chain on 8 lanes: a panel is multiplied a quarter (8 outputs)
+    //! at a time, each quarter over every input pair, so a row needs one accumulator and 12
+    //! rows fit AVX2's 16 registers. The first quarter streams the panel from memory; the
+    //! other three find it in the cache. Each output is still `bias` then one FMA per input
+    //! in input order: the scalar kernel's bits.
+
+    use super::{Tile, PAIR_STRIDE, PANEL_COLUMNS, PREFETCH_BYTES};
+    use crate::bf16::f32_to_bf16;
+    use std::arch::x86_64::*;
+
+    /// Outputs per pass over a panel: one 8-lane f32 register.
+    const QUARTER: usize = 8;
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// Dispatches on the row count so each kernel keeps its accumulators in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `tile` must describe valid memory (Job::run).
+    pub unsafe fn tile(tile: &Tile<'_>) {
+        match tile.rows {
+            1 => kernel::<1>(tile),
+            2 => kernel::<2>(tile),
+            3 => kernel::<3>(tile),
+            4 => kernel::<4>(tile),
+            5 => kernel::<5>(tile),
+            6 => kernel::<6>(tile),
+            7 => kernel::<7>(tile),
+            8 => kernel::<8>(tile),
+            9 => kernel::<9>(tile),
+            10 => kernel::<10>(tile),
+            11 => kernel::<11>(tile),
+            12 => kernel::<12>(tile),
+            n => unreachable!("a pass has at most 12 rows, got {n}"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn kernel<const R: usize>(tile: &Tile<'_>) {
+        let high_half = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        let w = tile.weights.as_ptr();
+        let x = tile.x.as_ptr();
+        for first in (0..PANEL_COLUMNS.min(tile.columns)).step_by(QUARTER) {
+            let mut acc = [_mm256_setzero_ps(); R];
+            if let Some(bias) = tile.bias {
+                acc = [_mm256_loadu_ps(bias.as_ptr().add(first)); R];
+            }
+            for p in 0..tile.pairs {
+                let pair = w.add(p * PAIR_STRIDE);
+                if first == 0 {
+                    // wrapping_add: the address may lie past the matrix (prefetches never fault).
+                    let ahead = pair.cast::<i8>().wrapping_add(PREFETCH_BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                }
+                // Lane c: output first + c's weights for inputs 2p (low half) and 2p+1 (high).
+                let lanes = _mm256_loadu_si256(pair.add(first * 2).cast());
+                let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lanes));
+                let odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, high_half));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let xr = x.add(r * tile.x_stride + 2 * p);
+                    *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr), even, *acc_r);
+                    *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr.add(1)), odd, *acc_r);
+                }
+            }
+            let valid = (tile.columns - first).min(QUARTER);
+            for (r, acc_r) in acc.iter().enumerate() {
+                let mut sums = [0f32; QUARTER];
+                _mm256_storeu_ps(sums.as_mut_ptr(), *acc_r);
+                let dst = tile.out.add(r * tile.out_stride + first);
+                for (c, &sum) in sums[..valid].iter().enumerate() {
+                    *dst.add(c) = f32_to_bf16(sum);
                 }
             }
         }
@@ -868,12 +1029,26 @@ mod tests {
         #[test]
         #[cfg_attr(not(dart_cpu_avx512), ignore = "needs AVX-512F/BW/VL, which this CPU lacks")]
         fn simd_equals_scalar((n, k, rows, w, x, bias) in general_case(), threads in 1usize..4) {
-            assert!(Backend::simd_available(), "built for AVX-512 but it does not run here");
+            assert!(Backend::avx512_available(), "built for AVX-512 but it does not run here");
             let m = PackedMatrix::pack(&w, n, k).unwrap();
             let mut want = vec![0u16; rows * n];
             m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
             let mut got = vec![0xFFFFu16; rows * n];
             m.matmul_with(Backend::Avx512, &x, rows, bias.as_deref(), &mut got, threads).unwrap();
+            prop_assert_eq!(got, want);
+        }
+
+        /// The AVX2 kernel gives the scalar kernel's bits too (quarters of panels, rows
+        /// past one pass of 12, padded last panels), on any number of threads.
+        #[test]
+        #[cfg_attr(not(dart_cpu_avx2), ignore = "needs AVX2 and FMA, which this CPU lacks")]
+        fn avx2_equals_scalar((n, k, rows, w, x, bias) in general_case(), threads in 1usize..4) {
+            assert!(Backend::avx2_available(), "built for AVX2 and FMA but they do not run here");
+            let m = PackedMatrix::pack(&w, n, k).unwrap();
+            let mut want = vec![0u16; rows * n];
+            m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
+            let mut got = vec![0xFFFFu16; rows * n];
+            m.matmul_with(Backend::Avx2, &x, rows, bias.as_deref(), &mut got, threads).unwrap();
             prop_assert_eq!(got, want);
         }
 
@@ -956,7 +1131,10 @@ mod tests {
     /// Backends this CPU runs (the scalar one everywhere).
     fn runnable_backends() -> Vec<Backend> {
         let mut out = vec![Backend::Scalar];
-        if Backend::simd_available() {
+        if Backend::avx2_available() {
+            out.push(Backend::Avx2);
+        }
+        if Backend::avx512_available() {
             out.push(Backend::Avx512);
         }
         if Backend::amx_available() {
@@ -1113,6 +1291,19 @@ mod tests {
         }
         assert_eq!(Backend::from_name("gpu"), None);
         assert_ne!(Backend::best(), Backend::Auto);
+    }
+
+    #[test]
+    fn max_isa_names_a_backend_or_is_an_error() {
+        let parse = |v: Option<&str>| Backend::parse_max_isa(v.map(str::to_owned));
+        assert_eq!(parse(None).unwrap(), None);
+        assert_eq!(parse(Some(" ")).unwrap(), None);
+        assert_eq!(parse(Some("AVX2")).unwrap(), Some(Backend::Avx2));
+        assert_eq!(parse(Some("scalar\n")).unwrap(), Some(Backend::Scalar));
+        for bad in ["auto", "avx-512", "sse4"] {
+            let err = parse(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains(bad) && err.contains("avx512"), "{err}");
+        }
     }
 
     #[test]

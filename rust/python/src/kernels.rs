@@ -67,8 +67,8 @@ impl PyPackedMatrix {
     }
 
     /// `out = x @ weight.T + bias` in place: `x` `(rows, in)`, `out` `(rows, out)`, `bias`
-    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "amx", "avx512" or
-    /// "scalar".
+    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "amx", "avx512",
+    /// "avx2" or "scalar".
     #[pyo3(signature = (x, out, bias=None, threads=1, backend="auto"))]
     fn matmul(
         &self,
@@ -200,18 +200,29 @@ fn tree_attention(
     .map_err(to_py_err)
 }
 
-/// Whether the SIMD matmul runs on this CPU (AVX-512F/BW/VL); without it the scalar kernel
-/// gives the same bits, far slower, and `dart_client` keeps PyTorch's kernels.
+/// Whether a SIMD decoding kernel runs on this CPU (AMX, AVX-512F/BW/VL, or AVX2 with FMA);
+/// without one the scalar kernel gives the same bits, far slower, and `dart_client` keeps
+/// PyTorch's kernels.
+/// An invalid `DART_MAX_CPU_ISA` is an error here (`dart_client` asks at import).
 #[pyfunction]
-fn decoding_matmul_simd() -> bool {
-    Backend::simd_available()
+fn decoding_matmul_simd() -> PyResult<bool> {
+    Backend::max_isa().map_err(to_py_err)?;
+    Ok(Backend::any_simd_available())
 }
 
-/// The kernel `PackedMatrix.matmul(backend="auto")` runs on this CPU: "amx", "avx512" or
-/// "scalar".
+/// The kernel `PackedMatrix.matmul(backend="auto")` runs on this CPU: "amx", "avx512",
+/// "avx2" or "scalar" (the best it has, at most what `DART_MAX_CPU_ISA` names).
 #[pyfunction]
-fn decoding_matmul_backend() -> &'static str {
-    Backend::best().name()
+fn decoding_matmul_backend() -> PyResult<&'static str> {
+    Backend::max_isa().map_err(to_py_err)?;
+    Ok(Backend::best().name())
+}
+
+/// Every kernel this CPU runs, the most capable first ("scalar" last), whatever
+/// `DART_MAX_CPU_ISA` says: what `PackedMatrix.matmul(backend=...)` accepts here.
+#[pyfunction]
+fn decoding_matmul_backends() -> Vec<&'static str> {
+    Backend::runnable().into_iter().map(Backend::name).collect()
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -219,6 +230,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KernelError", m.py().get_type::<KernelError>())?;
     m.add_function(wrap_pyfunction!(decoding_matmul_simd, m)?)?;
     m.add_function(wrap_pyfunction!(decoding_matmul_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(decoding_matmul_backends, m)?)?;
     m.add_function(wrap_pyfunction!(tree_attention, m)?)?;
     Ok(())
 }
