@@ -601,17 +601,20 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! The AVX-512 kernel's FMA chain on 8 lanes: a panel is multiplied a quarter (8 outputs)
-    //! at a time, each quarter over every input pair, so a row needs one accumulator and 12
-    //! rows fit AVX2's 16 registers. The first quarter streams the panel from memory; the
-    //! other three find it in the cache. Each output is still `bias` then one FMA per input
-    //! in input order: the scalar kernel's bits.
+    //! The AVX-512 kernel's FMA chain on 8 lanes. A panel's 32 outputs are four quarters of
+    //! 8 (one register each); a pass multiplies `Q` quarters of `R` rows over every input pair,
+    //! one accumulator per (quarter, row). Few rows take several quarters per pass so that
+    //! enough independent FMA chains hide the FMA latency (one row alone would wait on each
+    //! FMA); many rows take one quarter, keeping `R x Q <= 12` accumulators within AVX2's 16
+    //! registers. The pass holding the first quarter streams the panel from memory; later
+    //! passes find it in the cache. Each output is still `bias` then one FMA per input in
+    //! input order: the scalar kernel's bits.
 
     use super::{Tile, PAIR_STRIDE, PANEL_COLUMNS, PREFETCH_BYTES};
     use crate::bf16::f32_to_bf16;
     use std::arch::x86_64::*;
 
-    /// Outputs per pass over a panel: one 8-lane f32 register.
+    /// Outputs per register: 8 f32 lanes.
     const QUARTER: usize = 8;
 
     pub fn available() -> bool {
@@ -624,31 +627,37 @@ mod avx2 {
     /// The CPU must have AVX2 and FMA; `tile` must describe valid memory (Job::run).
     pub unsafe fn tile(tile: &Tile<'_>) {
         match tile.rows {
-            1 => kernel::<1>(tile),
-            2 => kernel::<2>(tile),
-            3 => kernel::<3>(tile),
-            4 => kernel::<4>(tile),
-            5 => kernel::<5>(tile),
-            6 => kernel::<6>(tile),
-            7 => kernel::<7>(tile),
-            8 => kernel::<8>(tile),
-            9 => kernel::<9>(tile),
-            10 => kernel::<10>(tile),
-            11 => kernel::<11>(tile),
-            12 => kernel::<12>(tile),
+            1 => kernel::<1, 4>(tile),
+            2 => kernel::<2, 4>(tile),
+            3 => kernel::<3, 4>(tile),
+            4 => kernel::<4, 2>(tile),
+            5 => kernel::<5, 2>(tile),
+            6 => kernel::<6, 2>(tile),
+            7 => kernel::<7, 1>(tile),
+            8 => kernel::<8, 1>(tile),
+            9 => kernel::<9, 1>(tile),
+            10 => kernel::<10, 1>(tile),
+            11 => kernel::<11, 1>(tile),
+            12 => kernel::<12, 1>(tile),
             n => unreachable!("a pass has at most 12 rows, got {n}"),
         }
     }
 
+    /// `R` rows, `Q` quarters per pass. Quarters past the tile's columns (the last panel)
+    /// are computed from the zero padding and not written.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kernel<const R: usize>(tile: &Tile<'_>) {
+    unsafe fn kernel<const R: usize, const Q: usize>(tile: &Tile<'_>) {
         let high_half = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
         let w = tile.weights.as_ptr();
         let x = tile.x.as_ptr();
-        for first in (0..PANEL_COLUMNS.min(tile.columns)).step_by(QUARTER) {
-            let mut acc = [_mm256_setzero_ps(); R];
+        let columns = PANEL_COLUMNS.min(tile.columns);
+        for first in (0..columns).step_by(QUARTER * Q) {
+            let mut acc = [[_mm256_setzero_ps(); R]; Q];
             if let Some(bias) = tile.bias {
-                acc = [_mm256_loadu_ps(bias.as_ptr().add(first)); R];
+                // The bias is padded to whole panels (Job::run).
+                for (q, acc_q) in acc.iter_mut().enumerate() {
+                    *acc_q = [_mm256_loadu_ps(bias.as_ptr().add(first + q * QUARTER)); R];
+                }
             }
             for p in 0..tile.pairs {
                 let pair = w.add(p * PAIR_STRIDE);
@@ -658,23 +667,32 @@ mod avx2 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead);
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
                 }
-                // Lane c: output first + c's weights for inputs 2p (low half) and 2p+1 (high).
-                let lanes = _mm256_loadu_si256(pair.add(first * 2).cast());
-                let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lanes));
-                let odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, high_half));
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let xr = x.add(r * tile.x_stride + 2 * p);
-                    *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr), even, *acc_r);
-                    *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr.add(1)), odd, *acc_r);
+                for (q, acc_q) in acc.iter_mut().enumerate() {
+                    // Lane c: output first + 8q + c's weights for inputs 2p (low half) and
+                    // 2p+1 (high half).
+                    let lanes = _mm256_loadu_si256(pair.add((first + q * QUARTER) * 2).cast());
+                    let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lanes));
+                    let odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, high_half));
+                    for (r, acc_r) in acc_q.iter_mut().enumerate() {
+                        let xr = x.add(r * tile.x_stride + 2 * p);
+                        *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr), even, *acc_r);
+                        *acc_r = _mm256_fmadd_ps(_mm256_set1_ps(*xr.add(1)), odd, *acc_r);
+                    }
                 }
             }
-            let valid = (tile.columns - first).min(QUARTER);
-            for (r, acc_r) in acc.iter().enumerate() {
-                let mut sums = [0f32; QUARTER];
-                _mm256_storeu_ps(sums.as_mut_ptr(), *acc_r);
-                let dst = tile.out.add(r * tile.out_stride + first);
-                for (c, &sum) in sums[..valid].iter().enumerate() {
-                    *dst.add(c) = f32_to_bf16(sum);
+            for (q, acc_q) in acc.iter().enumerate() {
+                let start = first + q * QUARTER;
+                if start >= columns {
+                    break;
+                }
+                let valid = (columns - start).min(QUARTER);
+                for (r, acc_r) in acc_q.iter().enumerate() {
+                    let mut sums = [0f32; QUARTER];
+                    _mm256_storeu_ps(sums.as_mut_ptr(), *acc_r);
+                    let dst = tile.out.add(r * tile.out_stride + start);
+                    for (c, &sum) in sums[..valid].iter().enumerate() {
+                        *dst.add(c) = f32_to_bf16(sum);
+                    }
                 }
             }
         }
