@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_client import _native
-from dart_client.models.native import DECODING_ROWS, SIMD_KERNELS, bf16_bits
+from dart_client.models.native import DECODING_ROWS, NATIVE_BF16_GEMM, SIMD_KERNELS, bf16_bits
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,13 @@ def project(
         packed is not None
         and x.dtype == packed.dtype
         and not (x.requires_grad and torch.is_grad_enabled())
-        # A prompt's prefill: PyTorch's kernel beats the decoding one on long blocks.
-        and not (isinstance(packed, DartMatmul) and x.numel() > DECODING_ROWS * x.shape[-1])
+        # A prompt's prefill: PyTorch's kernel beats the decoding one on long blocks where
+        # it multiplies bf16 natively.
+        and not (
+            isinstance(packed, DartMatmul)
+            and NATIVE_BF16_GEMM
+            and x.numel() > DECODING_ROWS * x.shape[-1]
+        )
     ):
         return packed(x, bias)
     return F.linear(x, weight, bias)

@@ -13,11 +13,20 @@ from dart_client import _native
 #: Asked once; the per-layer paths read this flag.
 SIMD_KERNELS: bool = _native.decoding_matmul_simd()
 
-#: The most rows (a draft tree's nodes, a few draft positions) DART's decoding kernels take.
-#: Longer blocks (a prompt's prefill) go to PyTorch's kernels, which are faster there; a
-#: greedy DART step and an autoregressive one both stay within it, so they compute each row
-#: the same way.
+#: The most rows (a draft tree's nodes, a few draft positions) DART's decoding kernels take
+#: where PyTorch multiplies bf16 natively (:data:`NATIVE_BF16_GEMM`): longer blocks (a
+#: prompt's prefill) go to PyTorch's kernels, which are faster there. A greedy DART step and
+#: an autoregressive one both stay within it, so they compute each row the same way.
 DECODING_ROWS = 64
+
+#: Whether PyTorch's bf16 GEMM runs on bf16 instructions here (AVX512-BF16 or AMX, which
+#: DART's matmul then uses too): only then does it beat DART's matmul on long blocks. On CPUs
+#: without them (AVX2 only, AVX-512 without BF16) it converts in software and DART's matmul
+#: is faster at every length, so it takes prompts too (docs/benchmarks.md, "CPUs without
+#: AVX-512").
+NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in ("amx", "avx512") and bool(
+    getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+)
 
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
