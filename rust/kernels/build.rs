@@ -1,7 +1,8 @@
 //! Tells the tests which of the kernels' CPU features the build machine has, so a test of a
 //! kernel this CPU cannot run is reported as ignored (with the reason), never as passed.
-//! `dart_cpu_avx2`: AVX2 and FMA; `dart_cpu_avx512`: AVX-512F/BW/VL; `dart_cpu_amx`: AMX-BF16 and AMX-TILE as well (the OS
-//! permission for tile data is asked at run time: a test that finds it refused fails).
+//! `dart_cpu_avx2`: AVX2 and FMA; `dart_cpu_avx512`: AVX-512F/BW/VL; `dart_cpu_amx`: AMX-BF16
+//! and AMX-TILE as well (the OS permission for tile data is asked at run time: a test that
+//! finds it refused fails).
 //! Only for native builds (host = target); a cross build marks neither.
 
 fn main() {

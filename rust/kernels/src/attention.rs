@@ -108,10 +108,14 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The matmul's choice ([`crate::Backend::best`], capped by `DART_MAX_CPU_ISA` alike):
-    /// AMX CPUs run the AVX-512 attention.
+    /// The matmul's choice ([`crate::Backend::best`], capped by `DART_MAX_CPU_ISA` alike).
     pub(crate) fn best() -> Isa {
-        match crate::Backend::best() {
+        Isa::of(crate::Backend::best())
+    }
+
+    /// The attention that goes with a matmul backend: AMX CPUs run the AVX-512 one.
+    fn of(backend: crate::Backend) -> Isa {
+        match backend {
             crate::Backend::Amx | crate::Backend::Avx512 | crate::Backend::Auto => Isa::Avx512,
             crate::Backend::Avx2 => Isa::Avx2,
             crate::Backend::Scalar => Isa::Scalar,
@@ -185,8 +189,6 @@ pub(crate) fn attention_into<O: Output>(
             got: out.len(),
         });
     }
-    let avx512 = isa == Isa::Avx512;
-    let avx2 = isa == Isa::Avx2;
     let group = heads / kv_heads;
     // Query rows computed together share one pass over the keys and values (they see the
     // same keys: the heads of one kv group at one query position, unless the mask differs
@@ -226,7 +228,7 @@ pub(crate) fn attention_into<O: Output>(
             let padded = seen.len().next_multiple_of(16);
             keys_t.clear();
             keys_t.resize(dim * padded, 0.0);
-            transpose_keys(key, b, g, &seen, padded, &mut keys_t, avx512);
+            transpose_keys(key, b, g, &seen, padded, &mut keys_t, isa);
             values_f32.clear();
             for &j in &seen {
                 values_f32.extend(value.row(b, g, j as usize).iter().map(|&x| bf16_to_f32(x)));
@@ -244,8 +246,7 @@ pub(crate) fn attention_into<O: Output>(
                 g,
                 group,
                 queries,
-                avx512,
-                avx2,
+                isa,
             };
             let mut write = |(i, h0, rows): (usize, usize, usize), acc: &[f32]| {
                 for r in 0..rows {
@@ -324,16 +325,17 @@ fn transpose_keys(
     seen: &[u32],
     padded: usize,
     keys_t: &mut [f32],
-    avx512: bool,
+    isa: Isa,
 ) {
     let dim = key.shape[3];
     #[cfg(target_arch = "x86_64")]
-    if avx512 && dim.is_multiple_of(2) {
-        // SAFETY: avx512 is only true where AVX-512F/BW/VL run; rows are in bounds (View4::new).
+    if isa == Isa::Avx512 && dim.is_multiple_of(2) {
+        // SAFETY: Isa::Avx512 is only chosen where AVX-512F/BW/VL run; rows are in bounds
+        // (View4::new).
         unsafe { avx512::transpose_keys(key, b, g, seen, padded, keys_t) };
         return;
     }
-    let _ = (avx512, dim);
+    let _ = (isa, dim);
     for (t, &j) in seen.iter().enumerate() {
         for (c, &bits) in key.row(b, g, j as usize).iter().enumerate() {
             keys_t[c * padded + t] = bf16_to_f32(bits);
@@ -356,8 +358,7 @@ struct Head<'a, 'v> {
     g: usize,
     group: usize,
     queries: usize,
-    avx512: bool,
-    avx2: bool,
+    isa: Isa,
 }
 
 impl Head<'_, '_> {
@@ -410,15 +411,15 @@ impl Head<'_, '_> {
         for _ in 0..rows {
             s.scores.extend_from_slice(&s.adds);
         }
+        // SAFETY (both): an Isa is only chosen where the CPU runs it (Isa::best, or a test's
+        // runnable_isas).
         #[cfg(target_arch = "x86_64")]
-        if self.avx512 && dim.div_ceil(16) * rows <= 16 {
-            // SAFETY: avx512 is only true where AVX-512F/BW/VL run.
+        if self.isa == Isa::Avx512 && dim.div_ceil(16) * rows <= 16 {
             unsafe { avx512::unit(self.keys_t, self.padded, self.values, self.scale, rows, s) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: avx2 is only true where AVX2 and FMA run.
+        if self.isa == Isa::Avx2 {
             unsafe {
                 scalar::unit_avx2(self.keys_t, self.padded, self.values, self.scale, rows, s)
             };
@@ -861,25 +862,26 @@ mod tests {
 
     /// Every instruction set this CPU runs, the best first.
     fn runnable_isas() -> Vec<Isa> {
-        let mut isas = Vec::new();
-        if crate::Backend::avx512_available() {
-            isas.push(Isa::Avx512);
-        }
-        if crate::Backend::avx2_available() {
-            isas.push(Isa::Avx2);
-        }
-        isas.push(Isa::Scalar);
+        let mut isas: Vec<Isa> = crate::Backend::runnable()
+            .into_iter()
+            .map(Isa::of)
+            .collect();
+        isas.dedup();
         isas
     }
 
     /// The AVX2 build of the portable path promises the portable path's bits exactly (the
     /// same operations, vectorised), masked and batched, any number of threads.
     #[test]
+    #[cfg_attr(
+        not(dart_cpu_avx2),
+        ignore = "needs AVX2 and FMA, which this CPU lacks"
+    )]
     fn the_avx2_path_gives_the_portable_paths_bits() {
-        if !crate::Backend::avx2_available() {
-            eprintln!("skipped: this CPU has no AVX2 and FMA");
-            return;
-        }
+        assert!(
+            crate::Backend::avx2_available(),
+            "built for AVX2 and FMA but they do not run here"
+        );
         for (seed, dim) in [(11u32, 64usize), (12, 24), (13, 7), (14, 80)] {
             let (b, h, kvh, n, l) = (2, 6, 2, 9, 70);
             let q = Tensor::new([b, h, n, dim], noise(seed));

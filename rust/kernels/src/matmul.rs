@@ -1009,6 +1009,23 @@ mod tests {
         out
     }
 
+    /// `backend`'s product of `case` on `threads` threads has the scalar kernel's bits.
+    fn fma_kernel_equals_scalar(
+        backend: Backend,
+        (n, k, rows, w, x, bias): Case,
+        threads: usize,
+    ) -> std::result::Result<(), TestCaseError> {
+        let m = PackedMatrix::pack(&w, n, k).unwrap();
+        let mut want = vec![0u16; rows * n];
+        m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1)
+            .unwrap();
+        let mut got = vec![0xFFFFu16; rows * n];
+        m.matmul_with(backend, &x, rows, bias.as_deref(), &mut got, threads)
+            .unwrap();
+        prop_assert_eq!(got, want);
+        Ok(())
+    }
+
     /// (out_features, in_features, rows, weight, x, bias)
     type Case = (usize, usize, usize, Vec<u16>, Vec<u16>, Option<Vec<u16>>);
 
@@ -1046,28 +1063,18 @@ mod tests {
         /// general values (where a different summation order would change the bits).
         #[test]
         #[cfg_attr(not(dart_cpu_avx512), ignore = "needs AVX-512F/BW/VL, which this CPU lacks")]
-        fn simd_equals_scalar((n, k, rows, w, x, bias) in general_case(), threads in 1usize..4) {
+        fn simd_equals_scalar(case in general_case(), threads in 1usize..4) {
             assert!(Backend::avx512_available(), "built for AVX-512 but it does not run here");
-            let m = PackedMatrix::pack(&w, n, k).unwrap();
-            let mut want = vec![0u16; rows * n];
-            m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
-            let mut got = vec![0xFFFFu16; rows * n];
-            m.matmul_with(Backend::Avx512, &x, rows, bias.as_deref(), &mut got, threads).unwrap();
-            prop_assert_eq!(got, want);
+            fma_kernel_equals_scalar(Backend::Avx512, case, threads)?;
         }
 
         /// The AVX2 kernel gives the scalar kernel's bits too (quarters of panels, rows
         /// past one pass of 12, padded last panels), on any number of threads.
         #[test]
         #[cfg_attr(not(dart_cpu_avx2), ignore = "needs AVX2 and FMA, which this CPU lacks")]
-        fn avx2_equals_scalar((n, k, rows, w, x, bias) in general_case(), threads in 1usize..4) {
+        fn avx2_equals_scalar(case in general_case(), threads in 1usize..4) {
             assert!(Backend::avx2_available(), "built for AVX2 and FMA but they do not run here");
-            let m = PackedMatrix::pack(&w, n, k).unwrap();
-            let mut want = vec![0u16; rows * n];
-            m.matmul_with(Backend::Scalar, &x, rows, bias.as_deref(), &mut want, 1).unwrap();
-            let mut got = vec![0xFFFFu16; rows * n];
-            m.matmul_with(Backend::Avx2, &x, rows, bias.as_deref(), &mut got, threads).unwrap();
-            prop_assert_eq!(got, want);
+            fma_kernel_equals_scalar(Backend::Avx2, case, threads)?;
         }
 
         /// The AMX kernel is the product within f32 accumulation error, gives the same bits
