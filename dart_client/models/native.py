@@ -8,8 +8,7 @@ import torch
 from dart_client import _native
 
 #: Whether DART's SIMD CPU kernels (matmul, tree attention) run on this CPU: AMX, AVX-512
-#: F/BW/VL, or AVX2 with FMA (each computes a row the same way
-#: whatever rows surround it).
+#: F/BW/VL, or AVX2 with FMA (each computes a row the same way whatever rows surround it).
 #: Asked once; the per-layer paths read this flag.
 SIMD_KERNELS: bool = _native.decoding_matmul_simd()
 
