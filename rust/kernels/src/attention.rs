@@ -21,6 +21,7 @@ use crate::bf16::{bf16_to_f32, f32_to_bf16};
 use crate::error::{KernelError, Result};
 use crate::matmul::pool;
 use rayon::prelude::*;
+use std::cell::Cell;
 
 /// Mask values at or below this block a key (transformers writes the dtype's minimum,
 /// PyTorch's SDPA takes -inf); other values are added to the score.
@@ -206,39 +207,54 @@ pub(crate) fn attention_into<O: Output>(
         })
         .collect();
     let threads = threads.clamp(1, units.len());
-    // Keys of one kv head transposed to (dim, seen keys rounded up to 16) in f32: a query's
-    // scores are then 16 keys per FMA, each key's dot product one lane summed in dim order,
-    // the same wherever the key sits (no horizontal sums, whose order would depend on it).
-    let mut keys_t = Vec::new();
-    // Values of the seen keys in f32, (seen, dim): converted once, read by every query row.
-    let mut values_f32 = Vec::new();
-    let mut seen = Vec::new();
-    let mut scratch = Scratch::default();
+    // This thread's buffers from its last call: a call per layer and step would otherwise
+    // allocate, fault in and zero them anew (a third of a one-query call's time).
+    let mut buffers = BUFFERS.take();
+    let Buffers {
+        keys_t,
+        values_f32,
+        seen,
+        open,
+        scratch,
+    } = &mut buffers;
     // One mask for every head (or none): the kv heads of a batch row see the same keys.
     let per_head = mask.is_some_and(|m| m.shape[1] != 1);
     for b in 0..batch {
         if !per_head {
-            seen_keys(mask, b, 0..1, queries, length, &mut seen);
+            seen_keys(mask, b, 0..1, queries, length, seen, open);
         }
         for g in 0..kv_heads {
             if per_head {
                 let heads = g * group..(g + 1) * group;
-                seen_keys(mask, b, heads, queries, length, &mut seen);
+                seen_keys(mask, b, heads, queries, length, seen, open);
             }
+            // Keys of one kv head transposed to (dim, seen keys rounded up to 16) in f32: a
+            // query's scores are then 16 keys per FMA, each key's dot product one lane summed
+            // in dim order, the same wherever the key sits (no horizontal sums, whose order
+            // would depend on it).
             let padded = seen.len().next_multiple_of(16);
-            keys_t.clear();
-            keys_t.resize(dim * padded, 0.0);
-            transpose_keys(key, b, g, &seen, padded, &mut keys_t, isa);
-            values_f32.clear();
-            for &j in &seen {
-                values_f32.extend(value.row(b, g, j as usize).iter().map(|&x| bf16_to_f32(x)));
+            if keys_t.len() < dim * padded {
+                keys_t.resize(dim * padded, 0.0);
+            }
+            let keys_t = &mut keys_t[..dim * padded];
+            transpose_keys(key, b, g, seen, padded, keys_t, isa);
+            // Values of the seen keys in f32, (seen, dim): converted once, read by every
+            // query row.
+            if values_f32.len() < seen.len() * dim {
+                values_f32.resize(seen.len() * dim, 0.0);
+            }
+            let values_f32 = &mut values_f32[..seen.len() * dim];
+            for (row, &j) in values_f32.chunks_exact_mut(dim).zip(seen.iter()) {
+                for (o, &x) in row.iter_mut().zip(value.row(b, g, j as usize)) {
+                    *o = bf16_to_f32(x);
+                }
             }
             let head = Head {
                 query,
                 mask,
-                keys_t: &keys_t,
-                values: &values_f32,
-                seen: &seen,
+                keys_t,
+                values: values_f32,
+                seen,
                 padded,
                 length,
                 scale,
@@ -258,16 +274,19 @@ pub(crate) fn attention_into<O: Output>(
             };
             if threads == 1 {
                 for &unit in &units {
-                    head.unit(unit, &mut scratch);
+                    head.unit(unit, scratch);
                     write(unit, &scratch.acc);
                 }
             } else {
                 let results: Vec<Vec<f32>> = pool(threads).install(|| {
                     units
                         .par_iter()
-                        .map_init(Scratch::default, |scratch, &unit| {
-                            head.unit(unit, scratch);
-                            scratch.acc.clone()
+                        .map(|&unit| {
+                            let mut worker = BUFFERS.take();
+                            head.unit(unit, &mut worker.scratch);
+                            let acc = worker.scratch.acc.clone();
+                            BUFFERS.set(worker);
+                            acc
                         })
                         .collect()
                 });
@@ -277,7 +296,40 @@ pub(crate) fn attention_into<O: Output>(
             }
         }
     }
+    buffers.shrink_if_huge();
+    BUFFERS.set(buffers);
     Ok(())
+}
+
+thread_local! {
+    /// Each thread's [`Buffers`], kept between calls ([`Cell::take`] leaves an empty set
+    /// behind, so a nested call would only allocate its own).
+    static BUFFERS: Cell<Buffers> = Cell::new(Buffers::default());
+}
+
+/// What a call converts the keys and values into, and its per-unit scratch.
+#[derive(Default)]
+struct Buffers {
+    /// Seen keys transposed, (dim, padded) in f32 (longer from earlier calls).
+    keys_t: Vec<f32>,
+    /// Seen values in f32, (seen, dim) (longer from earlier calls).
+    values_f32: Vec<f32>,
+    seen: Vec<u32>,
+    /// Per cached position: whether some query sees it ([`seen_keys`]).
+    open: Vec<bool>,
+    scratch: Scratch,
+}
+
+impl Buffers {
+    /// Buffers kept past this many f32 (64 MiB, a context of 256k keys at dim 64) are given
+    /// back, so one huge call does not pin its memory for the thread's life.
+    const KEEP_AT_MOST: usize = 16 << 20;
+
+    fn shrink_if_huge(&mut self) {
+        if self.keys_t.capacity() + self.values_f32.capacity() > Self::KEEP_AT_MOST {
+            *self = Buffers::default();
+        }
+    }
 }
 
 /// Query rows per unit for a head dimension: their accumulators must fit in registers.
@@ -297,6 +349,7 @@ fn seen_keys(
     queries: usize,
     length: usize,
     seen: &mut Vec<u32>,
+    open: &mut Vec<bool>,
 ) {
     seen.clear();
     let Some(m) = mask else {
@@ -305,7 +358,8 @@ fn seen_keys(
     };
     let mb = if m.shape[0] == 1 { 0 } else { b };
     let heads = if m.shape[1] == 1 { 0..1 } else { heads };
-    let mut open = vec![false; length];
+    open.clear();
+    open.resize(length, false);
     for h in heads {
         for i in 0..queries {
             for (o, &bits) in open.iter_mut().zip(&m.row(mb, h, i)[..length]) {
@@ -317,7 +371,7 @@ fn seen_keys(
     seen.extend((0..length as u32).filter(|&j| open[j as usize]));
 }
 
-/// `keys_t[c * padded + t] = key[b, g, seen[t], c]` in f32 (`keys_t` zeroed by the caller).
+/// `keys_t[c * padded + t] = key[b, g, seen[t], c]` in f32, 0 for `t` past the seen keys.
 fn transpose_keys(
     key: &View4<'_>,
     b: usize,
@@ -335,11 +389,14 @@ fn transpose_keys(
         unsafe { avx512::transpose_keys(key, b, g, seen, padded, keys_t) };
         return;
     }
-    let _ = (isa, dim);
+    let _ = isa;
     for (t, &j) in seen.iter().enumerate() {
         for (c, &bits) in key.row(b, g, j as usize).iter().enumerate() {
             keys_t[c * padded + t] = bf16_to_f32(bits);
         }
+    }
+    for c in 0..dim {
+        keys_t[c * padded + seen.len()..(c + 1) * padded].fill(0.0);
     }
 }
 
