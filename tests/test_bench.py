@@ -319,6 +319,36 @@ def test_dart_cli_subcommands(capsys: Any) -> None:
     assert "expected an integer >= 0 or 'auto'" in capsys.readouterr().err
 
 
+def test_the_batched_benchmark_runs_from_its_command_line(
+    tiny_ngram_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line's own path: its options reach the loader (it once crashed there)."""
+    from dart_client.apps.bench import batched
+
+    model_dir = tmp_path / "tiny-model"
+    make_tiny_target("llama", seed=0).save_pretrained(model_dir)
+    make_tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "tiny.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("w5 w9 w17", "w40 w41")))
+    argv = [
+        "--base", str(model_dir),
+        "--head", "random",
+        "--ngram", str(tiny_ngram_path),
+        "--ngram-open", "no-checksums",
+        "--dtype", "fp32",
+        "--workloads", str(prompts),
+        "--batch", "2",
+        "--groups", "1",
+        "--max-new-tokens", "4",
+        "--repetitions", "1",
+        "--methods", "ar-x1", "ar-xN", "dart-xN",
+    ]  # fmt: skip
+    assert batched.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["tokens_per_second"]) == {"ar-x1", "ar-x2", "dart-x2"}
+    assert summary["identical_to_alone"] == {"ar-x2": "2/2", "dart-x2": "2/2"}
+
+
 def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path) -> None:
     from dart_client.apps.bench import batched
 

@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     from dart_client.apps.options import (
         add_cpu_kernels_argument,
         add_device_argument,
+        add_ngram_open_argument,
         add_prompt_lookup_argument,
     )
 
@@ -45,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="target (default: embedded SmolLM2)")
     p.add_argument("--head", default="auto", help="DART head ('auto': the shipped one)")
     p.add_argument("--ngram", default="embedded")
+    add_ngram_open_argument(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     add_device_argument(p)
     add_cpu_kernels_argument(p)
