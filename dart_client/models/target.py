@@ -29,6 +29,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dart_client.errors import UnsupportedTargetError
+from dart_client.models import elementwise
 from dart_client.models.attention import restore_attention, use_small_query_attention
 from dart_client.models.linear import PackReport, pack_linear_layers, unpack_linear_layers
 
@@ -510,6 +511,9 @@ class TargetModel:
         #: The attention implementation the model had before :func:`use_small_query_attention`
         #: (None: not switched).
         self.replaced_attention: str | None = None
+        #: Modules switched to the native element-wise kernels
+        #: (:func:`~dart_client.models.elementwise.use_native_elementwise`; 0: none).
+        self.native_elementwise = 0
         if cpu_kernels:
             self.set_cpu_kernels(True)
 
@@ -556,7 +560,8 @@ class TargetModel:
 
     def set_cpu_kernels(self, enabled: bool) -> None:
         """Switch the model to the CPU decoding kernels (packed linear layers, small-query
-        attention) or back to its own; a no-op for what is already in that state."""
+        attention, native norms / rotary embedding / SiLU product on CPU models) or back to its
+        own; a no-op for what is already in that state."""
         if enabled:
             if not self.packing.layers:
                 self.packing = pack_linear_layers(self.model)
@@ -564,7 +569,12 @@ class TargetModel:
                     log.info("linear layers not packed: %s", self.packing.skipped)
             if self.replaced_attention is None:
                 self.replaced_attention = use_small_query_attention(self.model)
+            if not self.native_elementwise and self.replaced_attention is not None:
+                self.native_elementwise = elementwise.use_native_elementwise(self.model)
             return
+        if self.native_elementwise:
+            elementwise.restore(self.model)
+            self.native_elementwise = 0
         if self.packing.layers:
             unpack_linear_layers(self.model)
             self.packing = PackReport(0, 0, "switched off")

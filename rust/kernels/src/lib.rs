@@ -16,10 +16,14 @@
 //! query from its own visible keys, in key order, so with both kernels a tree's logits are
 //! one-token decoding's, bit for bit (greedy DART then equals greedy decoding exactly).
 //!
+//! [`rms_norm`], [`rotary`] and [`silu_mul`] are a decoder layer's element-wise parts, one
+//! pass over the rows each (per-row too, so they keep that property).
+//!
 //! No Python here; the bindings live in `rust/python`.
 
 mod attention;
 mod bf16;
+mod elementwise;
 mod error;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
@@ -27,6 +31,7 @@ mod simd;
 
 pub use attention::{attention, View4, BLOCKED_AT_OR_BELOW};
 pub use bf16::{bf16_to_f32, f32_to_bf16};
+pub use elementwise::{rms_norm, rotary, silu_mul};
 pub use error::{KernelError, Result};
 pub use matmul::{
     Backend, PackedMatrix, AMX_ROWS_PER_PASS, MAX_ROWS_PER_PASS, PAIRS_PER_BLOCK, PANEL_COLUMNS,

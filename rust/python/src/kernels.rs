@@ -1,12 +1,13 @@
 //! The CPU decoding kernels of `dart_kernels`: `PackedMatrix` (the matmul behind
-//! `dart_client.models.linear`) and `tree_attention` (behind `dart_client.models.attention`).
+//! `dart_client.models.linear`), `tree_attention` (behind `dart_client.models.attention`) and
+//! the element-wise `rms_norm`, `rotary`, `silu_mul` (behind `dart_client.models.elementwise`).
 //! bf16 crosses as its bits in uint16 arrays (numpy has no bf16:
 //! `tensor.view(torch.uint16).numpy()`, no copy).
 
 use dart_kernels::{Backend, PackedMatrix, View4};
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4, PyReadwriteArray2, PyReadwriteArray4,
-    PyUntypedArrayMethods,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4, PyReadonlyArrayDyn, PyReadwriteArray2,
+    PyReadwriteArray4, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -200,6 +201,59 @@ fn tree_attention(
     .map_err(to_py_err)
 }
 
+/// `out` as a mutable slice (C-contiguous, as long as `len`).
+fn out_slice<'a>(out: &'a mut PyReadwriteArrayDyn<'_, u16>) -> PyResult<&'a mut [u16]> {
+    if !out.is_c_contiguous() {
+        return Err(KernelError::new_err("out must be a C-contiguous array"));
+    }
+    out.as_slice_mut()
+        .map_err(|e| KernelError::new_err(e.to_string()))
+}
+
+/// `dart_kernels::rms_norm`: `out = weight * bf16(x * rsqrt(mean(x^2) + eps))` over the last
+/// dimension; `x` and `out` of any shape ending in the weight's length, all uint16 bf16 bits,
+/// C-contiguous.
+#[pyfunction]
+fn rms_norm(
+    x: PyReadonlyArrayDyn<'_, u16>,
+    weight: PyReadonlyArray1<'_, u16>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+) -> PyResult<()> {
+    let (x, weight) = (slice(&x, "x")?, slice(&weight, "weight")?);
+    dart_kernels::rms_norm(x, weight, eps, out_slice(&mut out)?).map_err(to_py_err)
+}
+
+/// `dart_kernels::rotary`: transformers' `x * cos + rotate_half(x) * sin` in bf16; `x` and
+/// `out` `(tokens, heads, dim)`, `cos` and `sin` `(tokens, dim)` (any leading shape that
+/// flattens to those), uint16 bf16 bits, C-contiguous.
+#[pyfunction]
+fn rotary(
+    x: PyReadonlyArrayDyn<'_, u16>,
+    cos: PyReadonlyArrayDyn<'_, u16>,
+    sin: PyReadonlyArrayDyn<'_, u16>,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+) -> PyResult<()> {
+    let dim = *cos
+        .shape()
+        .last()
+        .ok_or_else(|| KernelError::new_err("cos has no dimensions"))?;
+    let (x, cos, sin) = (slice(&x, "x")?, slice(&cos, "cos")?, slice(&sin, "sin")?);
+    dart_kernels::rotary(x, cos, sin, dim, out_slice(&mut out)?).map_err(to_py_err)
+}
+
+/// `dart_kernels::silu_mul`: `out = silu(gate) * up` rounded as bf16 operations round;
+/// uint16 bf16 bits of one length, C-contiguous.
+#[pyfunction]
+fn silu_mul(
+    gate: PyReadonlyArrayDyn<'_, u16>,
+    up: PyReadonlyArrayDyn<'_, u16>,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+) -> PyResult<()> {
+    let (gate, up) = (slice(&gate, "gate")?, slice(&up, "up")?);
+    dart_kernels::silu_mul(gate, up, out_slice(&mut out)?).map_err(to_py_err)
+}
+
 /// Whether a SIMD decoding kernel runs on this CPU (AMX, AVX-512F/BW/VL, or AVX2 with FMA);
 /// without one the scalar kernel gives the same bits, far slower, and `dart_client` keeps
 /// PyTorch's kernels.
@@ -232,5 +286,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decoding_matmul_backend, m)?)?;
     m.add_function(wrap_pyfunction!(decoding_matmul_backends, m)?)?;
     m.add_function(wrap_pyfunction!(tree_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_mul, m)?)?;
     Ok(())
 }

@@ -1,0 +1,186 @@
+"""A decoder layer's element-wise parts on the CPU in bf16: RMS norm, rotary embedding and
+the SiLU-gated product, each one native call (``dart_kernels::{rms_norm, rotary, silu_mul}``).
+
+transformers spends 5-14 tensor operations on each (every one dispatched from Python and
+allocating its result): about 45 us per RMS norm and 45-65 us per rotary embedding on a
+decoding step's rows, 61 norms and 30 embeddings per SmolLM2 forward. One native pass costs a
+few microseconds. Every kernel works row by row, in the same order whatever the number of
+rows, so a tree node's values stay one-token decoding's bit for bit. ``rotary`` and
+``silu_mul`` round where PyTorch's bf16 operations round; ``rms_norm`` sums its squares in
+its own fixed order (PyTorch's depends on the CPU), so its result may differ from PyTorch's in
+the last bit, for DART and for autoregressive decoding alike.
+
+Only code that is Llama's own is replaced: a norm, MLP or ``apply_rotary_pos_emb`` whose
+source is ``LlamaRMSNorm.forward``'s, ``LlamaMLP.forward``'s (with a SiLU) or Llama's
+``apply_rotary_pos_emb`` (Qwen2/3, Mistral and most Llama-like models copy them). Anything
+else, other dtypes and devices, and inputs that need a gradient keep transformers' code.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dart_client import _native
+from dart_client.models.native import bf16_bits
+
+#: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
+_PLAIN = "_dart_plain_forward"
+
+
+@functools.cache
+def _llama_sources() -> dict[str, str]:
+    from transformers.models.llama import modeling_llama
+
+    return {
+        "norm": inspect.getsource(modeling_llama.LlamaRMSNorm.forward),
+        "mlp": inspect.getsource(modeling_llama.LlamaMLP.forward),
+        "rotary": inspect.getsource(modeling_llama.apply_rotary_pos_emb),
+    }
+
+
+def _same_source(obj: Any, kind: str) -> bool:
+    try:
+        return inspect.getsource(obj) == _llama_sources()[kind]
+    except (OSError, TypeError):
+        return False
+
+
+def _native_bf16(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels take these: bf16 CPU tensors, no gradient wanted."""
+    grad = torch.is_grad_enabled()
+    return all(
+        t.dtype == torch.bfloat16 and t.device.type == "cpu" and not (grad and t.requires_grad)
+        for t in tensors
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm`` in bf16 (``x`` of any shape ending in ``weight``'s length)."""
+    x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _native.rms_norm(bf16_bits(x), bf16_bits(weight), eps, out.view(torch.uint16).numpy())
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in bf16, rounded as PyTorch's two operations round."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    _native.silu_mul(bf16_bits(gate), bf16_bits(up), out.view(torch.uint16).numpy())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding of ``x`` ``(b, heads, n, d)`` with ``cos``/``sin``
+    ``(b | 1, n, d)``, in bf16 with transformers' rounding; the result as transformers lays
+    it out (a (b, heads, n, d) view of (b, n, heads, d) memory)."""
+    b, _, n, d = x.shape
+    tokens_first = x.transpose(1, 2).contiguous()
+    cos = cos.expand(b, n, d).contiguous()
+    sin = sin.expand(b, n, d).contiguous()
+    out = torch.empty_like(tokens_first)
+    _native.rotary(
+        bf16_bits(tokens_first), bf16_bits(cos), bf16_bits(sin), out.view(torch.uint16).numpy()
+    )
+    return out.transpose(1, 2)
+
+
+def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if _native_bf16(x, weight):
+        return rms_norm(x, weight, float(self.variance_epsilon))
+    return self.__dict__[_PLAIN](x)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if _native_bf16(gate, up):
+        return self.down_proj(silu_mul(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _rotary_dispatch(plain: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_rotary_pos_emb(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *args: Any,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        unsqueeze_dim = args[0] if args else kw.get("unsqueeze_dim", 1)
+        if (
+            unsqueeze_dim == 1
+            and q.dim() == k.dim() == 4
+            and cos.dim() == sin.dim() == 3
+            and cos.shape == sin.shape
+            and _native_bf16(q, k, cos, sin)
+        ):
+            return rotary(q, cos, sin), rotary(k, cos, sin)
+        return plain(q, k, cos, sin, *args, **kw)
+
+    apply_rotary_pos_emb.__wrapped__ = plain  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+#: Modeling modules whose ``apply_rotary_pos_emb`` is replaced, with the models using it.
+_rotary_users: dict[str, set[int]] = {}
+
+
+def use_native_elementwise(model: nn.Module) -> int:
+    """Replace ``model``'s Llama-code norms, SiLU MLPs and rotary embedding with the native
+    kernels (only where the inputs are CPU bf16 without gradients; see the module's text).
+    Returns how many modules (and rotary functions) were switched; :func:`restore` undoes it."""
+    switched = 0
+    for module in model.modules():
+        if _PLAIN in module.__dict__:
+            continue
+        cls = type(module)
+        if cls.__name__.endswith("RMSNorm") and _same_source(cls.forward, "norm"):
+            module.__dict__[_PLAIN] = module.forward
+            module.forward = types.MethodType(_norm_forward, module)
+            switched += 1
+        elif (
+            cls.__name__.endswith("MLP")
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and _same_source(cls.forward, "mlp")
+        ):
+            module.__dict__[_PLAIN] = module.forward
+            module.forward = types.MethodType(_mlp_forward, module)
+            switched += 1
+    for name in {type(m).__module__ for m in model.modules()}:
+        modeling = sys.modules.get(name)
+        plain = getattr(modeling, "apply_rotary_pos_emb", None)
+        if plain is None:
+            continue
+        users = _rotary_users.get(name)
+        if users is None:
+            if not _same_source(plain, "rotary"):
+                continue
+            modeling.apply_rotary_pos_emb = _rotary_dispatch(plain)  # type: ignore[union-attr]
+            users = _rotary_users[name] = set()
+        users.add(id(model))
+        switched += 1
+    return switched
+
+
+def restore(model: nn.Module) -> None:
+    """Undo :func:`use_native_elementwise` for ``model`` (the rotary function goes back when
+    no switched model uses its module any more)."""
+    for module in model.modules():
+        if module.__dict__.pop(_PLAIN, None) is not None:
+            module.__dict__.pop("forward", None)
+    for name, users in list(_rotary_users.items()):
+        users.discard(id(model))
+        if not users:
+            modeling = sys.modules[name]
+            modeling.apply_rotary_pos_emb = modeling.apply_rotary_pos_emb.__wrapped__  # type: ignore[attr-defined]
+            del _rotary_users[name]

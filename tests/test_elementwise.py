@@ -1,0 +1,174 @@
+"""The native element-wise kernels (RMS norm, rotary embedding, SiLU product) against
+transformers' own code, and the switch that installs them on a model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+from dart_client import _native
+from dart_client.models import elementwise
+from dart_client.models.target import TargetModel
+
+
+def bf16(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (same sign assumed where they differ by little)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 6),
+    tokens=st.integers(1, 9),
+    half=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    shared_angles=st.booleans(),
+)
+def test_rotary_gives_transformers_bits(
+    batch: int, heads: int, tokens: int, half: int, seed: int, shared_angles: bool
+) -> None:
+    dim = 2 * half
+    # Laid out as transformers lays q out: (b, tokens, heads, dim) memory seen as (b, h, n, d).
+    q = bf16(batch, tokens, heads, dim, scale=3, seed=seed).transpose(1, 2)
+    k = bf16(batch, tokens, 1, dim, scale=3, seed=seed + 1).transpose(1, 2)
+    angles = torch.rand(1 if shared_angles else batch, tokens, dim) * 100
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    got = (elementwise.rotary(q, cos, sin), elementwise.rotary(k, cos, sin))
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 12), dim=st.integers(1, 300), scale=st.sampled_from([0.01, 1.0, 30.0]))
+def test_rms_norm_is_transformers_norm_within_a_bf16_step(
+    rows: int, dim: int, scale: float
+) -> None:
+    norm = modeling_llama.LlamaRMSNorm(dim, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data = bf16(dim, seed=dim)
+    x = bf16(1, rows, dim, scale=scale, seed=rows)
+    want = norm(x)
+    got = elementwise.rms_norm(x, norm.weight, 1e-6)
+    # Only the mean's summation order differs: at most one bf16 step, and rarely.
+    assert ulps_apart(got, want).max() <= 1
+    assert (got != want).float().mean() < 0.05
+
+
+def test_silu_mul_is_transformers_product_within_a_bf16_step() -> None:
+    gate, up = bf16(37, 1536, scale=6, seed=1), bf16(37, 1536, scale=2, seed=2)
+    want = nn.functional.silu(gate) * up
+    got = elementwise.silu_mul(gate, up)
+    assert ulps_apart(got, want).max() <= 1
+    assert (got != want).float().mean() < 0.01
+    # Saturation: large |gate| gives gate (or -0) times up, never inf or NaN.
+    edge = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4]], dtype=torch.bfloat16)
+    out = elementwise.silu_mul(edge, torch.ones_like(edge))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, (nn.functional.silu(edge) * 1).to(torch.bfloat16))
+
+
+def test_the_kernels_refuse_arrays_that_do_not_fit() -> None:
+    x, w = bf16(2, 8), bf16(6)
+    out = torch.empty_like(x)
+    bits = lambda t: t.view(torch.uint16).numpy()  # noqa: E731
+    with pytest.raises(_native.KernelError, match="dim the weight's length"):
+        _native.rms_norm(bits(x), bits(w), 1e-5, bits(out))
+    with pytest.raises(_native.KernelError, match="even dim"):
+        _native.rotary(bits(bf16(1, 2, 3)), bits(bf16(1, 3)), bits(bf16(1, 3)), bits(bf16(1, 2, 3)))
+    with pytest.raises(_native.KernelError, match="up"):
+        _native.silu_mul(bits(x), bits(bf16(3, 8)), bits(out))
+    with pytest.raises(_native.KernelError, match="C-contiguous"):
+        _native.silu_mul(bits(x), bits(x), bits(torch.empty(8, 2, dtype=torch.bfloat16)).T)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_switch_gives_the_same_logits_and_is_undone(arch: str) -> None:
+    model = make_tiny_target(arch, dtype=torch.bfloat16, seed=3)
+    ids = torch.tensor([[5, 9, 17, 5, 9, 40, 41, 7]])
+    with torch.no_grad():
+        plain = model(ids).logits
+    modeling = sys.modules[type(model).__module__]
+    # Another model of this process (a fixture's) may have switched the module's function.
+    original_rotary = getattr(
+        modeling.apply_rotary_pos_emb, "__wrapped__", modeling.apply_rotary_pos_emb
+    )
+    norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+    mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
+    switched = elementwise.use_native_elementwise(model)
+    assert switched == norms + mlps + 1  # every norm (Qwen3's q/k norms too), MLP, the rotary
+    assert modeling.apply_rotary_pos_emb.__wrapped__ is original_rotary
+    with torch.no_grad():
+        native = model(ids).logits
+    # The norms may round a mean differently: logits agree to bf16 noise, argmax everywhere.
+    assert torch.allclose(native.float(), plain.float(), atol=0.1, rtol=0.05)
+    assert torch.equal(native.argmax(-1), plain.argmax(-1))
+    elementwise.restore(model)
+    users = elementwise._rotary_users.get(modeling.__name__)
+    if users is None:
+        assert modeling.apply_rotary_pos_emb is original_rotary
+    else:  # still switched for the other models using it
+        assert id(model) not in users
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+
+
+def test_other_dtypes_and_gradients_keep_transformers_code() -> None:
+    model = make_tiny_target("llama", dtype=torch.float32, seed=4)
+    ids = torch.tensor([[5, 9, 17, 5]])
+    with torch.no_grad():
+        plain = model(ids).logits
+    elementwise.use_native_elementwise(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain)  # fp32: transformers' code, same bits
+        bf = make_tiny_target("llama", dtype=torch.bfloat16, seed=4).train()
+        elementwise.use_native_elementwise(bf)
+        bf(ids).logits.float().sum().backward()  # needs gradients: transformers' code
+        assert all(p.grad is not None for p in bf.model.norm.parameters())
+        elementwise.restore(bf)
+    finally:
+        elementwise.restore(model)
+
+
+def test_a_norm_with_other_code_is_left_alone() -> None:
+    class ShiftedRMSNorm(nn.Module):  # Gemma's kind: (1 + weight), not Llama's code
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            var = x.float().pow(2).mean(-1, keepdim=True)
+            return (x.float() * torch.rsqrt(var + 1e-6) * (1 + self.weight.float())).to(x.dtype)
+
+    holder = nn.Sequential(ShiftedRMSNorm())
+    assert elementwise.use_native_elementwise(holder) == 0
+    assert "forward" not in holder[0].__dict__
+
+
+def test_a_bf16_target_on_the_cpu_switches_its_kernels() -> None:
+    target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=5))
+    try:
+        if target.replaced_attention is None:
+            pytest.skip("the CPU decoding kernels are off on this machine")
+        assert target.native_elementwise > 0
+        target.set_cpu_kernels(False)
+        assert target.native_elementwise == 0
+        assert not any("forward" in m.__dict__ for m in target.model.modules())
+    finally:
+        target.close()
