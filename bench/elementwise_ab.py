@@ -1,9 +1,9 @@
 """The native element-wise kernels (norms, rotary embedding, SiLU product) on and off, side by
-side: one process verifies the same trees with them switched on and off in turn, so a busy
-machine slows both alike; the target's forward in ms of this thread's CPU time, the median of
-``--repeats`` per round.
+side: one process verifies the same trees with them switched off and on in turn, forward by
+forward, so a busy machine slows both alike. Per shape: the median forward each way (ms of this
+thread's CPU time) and the median of the pairs' ratios.
 
-    python bench/elementwise_ab.py [--shapes 1x1 1x12 4x1 4x5] [--context 256] [--rounds 3]
+    python bench/elementwise_ab.py [--shapes 1x1 1x12 4x1 4x5] [--context 256] [--pairs 15]
 
 The embedded SmolLM2-135M in bf16, 1 thread (figures: docs/performance-notes.md).
 """
@@ -27,8 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1x1", "1x12", "4x1", "4x5"])
     p.add_argument("--context", type=int, default=256, help="cached tokens of every row")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--pairs", type=int, default=15, help="forwards each way per shape")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = build_model(None, "auto", "embedded", dtype="bf16", device="cpu", notes=[])
@@ -37,37 +36,31 @@ def main() -> None:
         raise SystemExit("the native element-wise kernels are off here (not a CPU bf16 target)")
     rng = np.random.default_rng(1)
     prefilled = _prefilled(model, args.context, 0)[0]
-    ms: dict[tuple[str, bool], list[float]] = {}
-    for _ in range(args.rounds):
-        for native in (False, True):
-            if native:
-                elementwise.use_native_elementwise(target.model)
-            else:
-                elementwise.restore(target.model)
-            for shape in args.shapes:
-                rows, nodes = (int(x) for x in shape.split("x"))
-                cache = target.new_cache(args.context + nodes + 1, rows)
-                for row in range(rows):
-                    cache.put_row(row, prefilled)
-                frontier = cache.length
-                trees = [_random_tree(nodes, rng, target.vocab_size)] * rows
-                times = []
-                for i in range(args.repeats + 1):
-                    start = time.thread_time()
-                    verify_trees(target, cache, trees, taps=nodes > 1)
-                    if i:  # the first pays for new shapes
-                        times.append(time.thread_time() - start)
-                    cache.truncate(frontier)
-                ms.setdefault((shape, native), []).append(1e3 * statistics.median(times))
-    print("| rows x nodes | transformers' ops, ms per round | native, ms per round | change |")
-    print("|---|---|---|---:|")
+    print("| rows x nodes | transformers' ops, ms | native, ms | native / transformers' (pairs) |")
+    print("|---|---:|---:|---:|")
     for shape in args.shapes:
-        off, on = ms[(shape, False)], ms[(shape, True)]
-        change = [b / a - 1 for a, b in zip(off, on, strict=True)]
+        rows, nodes = (int(x) for x in shape.split("x"))
+        cache = target.new_cache(args.context + nodes + 1, rows)
+        for row in range(rows):
+            cache.put_row(row, prefilled)
+        frontier = cache.length
+        trees = [_random_tree(nodes, rng, target.vocab_size)] * rows
+        ms: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(args.pairs + 1):
+            for native in (False, True):
+                if native:
+                    elementwise.use_native_elementwise(target.model)
+                else:
+                    elementwise.restore(target.model)
+                start = time.thread_time()
+                verify_trees(target, cache, trees, taps=nodes > 1)
+                if i:  # the first pair pays for new shapes
+                    ms[native].append(1e3 * (time.thread_time() - start))
+                cache.truncate(frontier)
+        ratios = [b / a for a, b in zip(ms[False], ms[True], strict=True)]
         print(
-            f"| {shape} | {' / '.join(f'{x:.1f}' for x in off)} "
-            f"| {' / '.join(f'{x:.1f}' for x in on)} "
-            f"| {min(change):+.0%} to {max(change):+.0%} |"
+            f"| {shape} | {statistics.median(ms[False]):.1f} | {statistics.median(ms[True]):.1f} "
+            f"| {statistics.median(ratios):.3f} |"
         )
 
 
