@@ -108,8 +108,10 @@ def test_the_switch_gives_the_same_logits_and_is_undone(arch: str) -> None:
     )
     norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
     mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
+    # Llama's decoder layers get the lean forward too; Qwen3's attention is other code.
+    lean = len(model.model.layers) if arch == "llama" else 0
     switched = elementwise.use_native_elementwise(model)
-    assert switched == norms + mlps + 1  # every norm (Qwen3's q/k norms too), MLP, the rotary
+    assert switched == norms + mlps + lean + 1  # norms (Qwen3's q/k too), MLPs, layers, rotary
     assert modeling.apply_rotary_pos_emb.__wrapped__ is original_rotary
     with torch.no_grad():
         native = model(ids).logits
@@ -125,6 +127,52 @@ def test_the_switch_gives_the_same_logits_and_is_undone(arch: str) -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain)
+
+
+def test_the_lean_layer_gives_the_layers_bits_and_steps_aside() -> None:
+    """With DART's attention and a cache (a TargetModel's forward), the lean decoder layer
+    computes what the layer's own forward computes on the same kernels, bit for bit; a hook
+    on one of its parts sends it back to the plain forward (which runs the hook)."""
+    target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=6))
+    try:
+        if target.replaced_attention is None:
+            pytest.skip("the CPU decoding kernels are off on this machine")
+        layers = target.model.model.layers
+        assert all("forward" in layer.__dict__ for layer in layers)
+        ids = torch.tensor([[5, 9, 17, 5, 9, 40, 41, 7, 8, 30]])
+
+        def logits() -> torch.Tensor:
+            cache = target.new_cache(32)
+            target.forward(ids[:, :6], torch.arange(6)[None], cache, taps=False)
+            tree = torch.tensor(
+                [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
+            )
+            out, _ = target.forward(ids[:, 6:], torch.arange(6, 10)[None], cache, tree_mask=tree)
+            return out
+
+        fallbacks = []
+        for layer in layers:  # count the lean forward's calls of the plain one
+            plain_forward = layer.__dict__[elementwise._PLAIN]
+            layer.__dict__[elementwise._PLAIN] = lambda *a, _f=plain_forward, **k: (
+                fallbacks.append(1),
+                _f(*a, **k),
+            )[1]
+        lean = logits()
+        assert not fallbacks  # every layer ran the lean forward
+        plain_forwards = {id(layer): layer.__dict__.pop("forward") for layer in layers}
+        plain = logits()  # the layers' own forward, on the same norms, MLPs and kernels
+        for layer in layers:
+            layer.forward = plain_forwards[id(layer)]
+        assert torch.equal(lean.view(torch.int16), plain.view(torch.int16))
+        seen = []
+        handle = layers[0].self_attn.o_proj.register_forward_hook(lambda *a: seen.append(1))
+        assert torch.equal(logits().view(torch.int16), lean.view(torch.int16))
+        assert len(seen) == 2  # both forwards went through the plain layer 0 and its hook
+        assert len(fallbacks) == 2  # layer 0 only, once per forward
+        handle.remove()
+    finally:
+        target.close()
+    assert not any("forward" in layer.__dict__ for layer in target.model.model.layers)
 
 
 def test_other_dtypes_and_gradients_keep_transformers_code() -> None:
