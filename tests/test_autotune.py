@@ -255,3 +255,17 @@ def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
     ]
     with pytest.raises(InvalidArgumentError, match="batch must be"):
         autotune(dm, batch=0)
+
+
+def test_a_batch_measures_the_largest_trees_that_fit_one_weight_pass() -> None:
+    from dart_client.decoding.autotune import DEFAULT_BUDGETS, ROWS_PER_WEIGHT_PASS, batch_budgets
+
+    assert batch_budgets(1) == sorted(DEFAULT_BUDGETS)
+    four = batch_budgets(4)
+    # 4 rows x 3 = 12 and 4 rows x 8 = 32 token rows: one pass each; 9-node trees need two.
+    assert {2, 7} <= set(four) and set(DEFAULT_BUDGETS) <= set(four)
+    for batch in range(2, 40):
+        for b in set(batch_budgets(batch)) - set(DEFAULT_BUDGETS):
+            assert any(batch * (b + 1) <= r < batch * (b + 2) for r in ROWS_PER_WEIGHT_PASS)
+    assert batch_budgets(32) == sorted(DEFAULT_BUDGETS)  # nothing of 2+ nodes fits 32 rows
+    assert batch_budgets(4, budgets=(3,)) == [2, 3, 7]

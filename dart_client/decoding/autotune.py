@@ -49,6 +49,19 @@ if TYPE_CHECKING:
 #: (``dart_kernels::MAX_ROWS_PER_PASS``, ``AMX_ROWS_PER_PASS``); 12 and 32 take two.
 DEFAULT_BUDGETS = (1, 2, 4, 8, 11, 12, 16, 24, 31, 32, 48, 60, 80)
 
+#: Token rows DART's CPU matmul multiplies in one pass over the weights (AVX-512 / AVX2, AMX).
+ROWS_PER_WEIGHT_PASS = (12, 32)
+
+
+def batch_budgets(batch: int, budgets: Sequence[int] = DEFAULT_BUDGETS) -> list[int]:
+    """``budgets`` plus, for a batch, the largest per-row budgets whose trees still fit one
+    pass over the weights (``batch * (budget + 1)`` rows of :data:`ROWS_PER_WEIGHT_PASS`): 2
+    and 7 for 4 rows. Past them a step costs a second pass (4 rows of 9-node trees verify in
+    1.8x the time of 4 rows of 5 on AMX), so they are where a batch's best tree usually is."""
+    fits = {rows // batch - 1 for rows in ROWS_PER_WEIGHT_PASS if rows // batch >= 2}
+    return sorted(set(budgets) | fits)
+
+
 #: Calibration prompts used when none are given (chat-formatted when the model has a template):
 #: the kinds of request DART serves, including ones whose answer repeats the prompt (code to
 #: complete, a passage to summarise), where prompt lookup makes larger trees pay. With only
@@ -164,7 +177,7 @@ def autotune(
     model: DartModel,
     *,
     prompts: Sequence[str | Sequence[int]] | None = None,
-    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    budgets: Sequence[int] | None = None,
     continuation_tokens: int = CONTINUATION_TOKENS,
     context_tokens: int = 256,
     repeats: int = 3,
@@ -178,6 +191,7 @@ def autotune(
     step costs one head forward and one target forward over ``batch`` rows (measured on a
     batched cache) plus ``batch`` pruner calls; tokens/s count every row.
 
+    ``budgets`` default to :data:`DEFAULT_BUDGETS` (with a batch, :func:`batch_budgets`).
     ``prompts`` are text (chat-formatted with the model's template when it has one) or token
     ids; without them a few built-in prompts are used (random token ids for a model without a
     tokenizer). ``continuation_tokens`` of the target's greedy continuation are replayed per
@@ -185,6 +199,10 @@ def autotune(
     """
     if model.head is None or model.tree_builder is None:
         raise InvalidArgumentError("tree budget tuning needs a DartModel with a head and a pruner")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidArgumentError(f"batch must be an int >= 1, got {batch!r}")
+    if budgets is None:
+        budgets = DEFAULT_BUDGETS if batch == 1 else batch_budgets(batch)
     clean = sorted({_check_budget(b) for b in budgets})
     if not clean:
         raise InvalidArgumentError("budgets must list at least one budget >= 1")
@@ -192,8 +210,6 @@ def autotune(
         raise InvalidArgumentError(f"continuation_tokens must be >= 2, got {continuation_tokens}")
     if repeats < 1:
         raise InvalidArgumentError(f"repeats must be >= 1, got {repeats}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise InvalidArgumentError(f"batch must be an int >= 1, got {batch!r}")
     start = time.perf_counter()
     encoded = _calibration_ids(model, prompts, seed)
     clock = _Clock(model.target.device, model.target.clock)
