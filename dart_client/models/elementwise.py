@@ -34,8 +34,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from dart_client import _native
+from dart_client.models.attention import NAME as SMALL_QUERY_ATTENTION
+from dart_client.models.attention import small_query_attention
 from dart_client.models.native import bf16_bits
 
 #: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
@@ -131,8 +134,6 @@ def _lean_layer_forward(
 ) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` with ``LlamaAttention.forward`` inlined, for CPU bf16
     inference on DART's kernels: the same operations in the same order."""
-    from dart_client.models.attention import NAME, small_query_attention
-
     attn, mlp = self.self_attn, self.mlp
     norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
     parts = self.__dict__[_PARTS]
@@ -141,7 +142,7 @@ def _lean_layer_forward(
         or cache is None
         or position_embeddings is None
         or attn.training
-        or attn.config._attn_implementation != NAME
+        or attn.config._attn_implementation != SMALL_QUERY_ATTENTION
         or not _native_bf16(hidden_states, norm_in.weight, norm_post.weight)
         or any(m._forward_hooks or m._forward_pre_hooks for m in parts)
         or _hooks_anywhere()
@@ -180,8 +181,6 @@ _PARTS = "_dart_lean_parts"
 
 def _hooks_anywhere() -> bool:
     """Whether global module hooks are registered (they run for every module call)."""
-    from torch.nn.modules import module as nn_module
-
     return bool(
         nn_module._global_forward_hooks
         or nn_module._global_forward_pre_hooks

@@ -12,6 +12,7 @@
 
 use crate::bf16::bf16_to_f32;
 use crate::error::{KernelError, Result};
+use crate::expf::{LN2_HI, LN2_LO, POLY};
 
 /// `weight * bf16(x * rsqrt(mean(x²) + eps))` per row of `dim` values (LlamaRMSNorm and
 /// the norms written like it: Qwen2/3, Mistral), `x` and `out` `(rows, dim)`, `weight` `(dim,)`.
@@ -205,15 +206,9 @@ fn exp(x: f32) -> f32 {
     let x = x.max(-87.3).min(89.0);
     let x = if big { x - std::f32::consts::LN_2 } else { x };
     let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = POLY[0];
+    for c in &POLY[1..] {
         p = p * r + c;
     }
     let e = p * (r * r) + r + 1.0;

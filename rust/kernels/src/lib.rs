@@ -25,6 +25,7 @@ mod attention;
 mod bf16;
 mod elementwise;
 mod error;
+mod expf;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod simd;

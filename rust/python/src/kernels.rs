@@ -25,6 +25,17 @@ fn to_py_err(err: dart_kernels::KernelError) -> PyErr {
     KernelError::new_err(err.to_string())
 }
 
+/// An output array as a mutable slice: it must be C-contiguous (the kernels write it in order).
+fn out_slice<'a, D: numpy::ndarray::Dimension>(
+    out: &'a mut numpy::PyReadwriteArray<'_, u16, D>,
+) -> PyResult<&'a mut [u16]> {
+    if !out.is_c_contiguous() {
+        return Err(KernelError::new_err("out must be a C-contiguous array"));
+    }
+    out.as_slice_mut()
+        .map_err(|e| KernelError::new_err(e.to_string()))
+}
+
 fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
     what: &str,
@@ -106,12 +117,7 @@ impl PyPackedMatrix {
             Some(b) => Some(slice(b, "bias")?),
             None => None,
         };
-        if !out.is_c_contiguous() {
-            return Err(KernelError::new_err("out must be a C-contiguous array"));
-        }
-        let out = out
-            .as_slice_mut()
-            .map_err(|e| KernelError::new_err(e.to_string()))?;
+        let out = out_slice(&mut out)?;
         let inner = &self.inner;
         if threads <= 1 && rows <= 2 {
             // A decoding step's matmul takes ~20-100 us: releasing the GIL would add ~1%.
@@ -186,12 +192,7 @@ fn tree_attention(
             out.shape()
         )));
     }
-    if !out.is_c_contiguous() {
-        return Err(KernelError::new_err("out must be a C-contiguous array"));
-    }
-    let out = out
-        .as_slice_mut()
-        .map_err(|e| KernelError::new_err(e.to_string()))?;
+    let out = out_slice(&mut out)?;
     let m = m.as_ref();
     if threads <= 1 {
         dart_kernels::attention(&q, &k, &v, m, scale, out, threads)
@@ -199,15 +200,6 @@ fn tree_attention(
         py.detach(|| dart_kernels::attention(&q, &k, &v, m, scale, out, threads))
     }
     .map_err(to_py_err)
-}
-
-/// `out` as a mutable slice (C-contiguous, as long as `len`).
-fn out_slice<'a>(out: &'a mut PyReadwriteArrayDyn<'_, u16>) -> PyResult<&'a mut [u16]> {
-    if !out.is_c_contiguous() {
-        return Err(KernelError::new_err("out must be a C-contiguous array"));
-    }
-    out.as_slice_mut()
-        .map_err(|e| KernelError::new_err(e.to_string()))
 }
 
 /// `dart_kernels::rms_norm`: `out = weight * bf16(x * rsqrt(mean(x^2) + eps))` over the last
