@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from dart_client import _native
 from dart_client.models.linear import DartMatmul, OneDnnMatmul, pack_for_cpu, set_cpu_matmul
+from dart_client.models.native import DECODING_ROWS, NATIVE_BF16_GEMM
 
 needs_simd = pytest.mark.skipif(
     not _native.decoding_matmul_simd(),
@@ -184,14 +185,48 @@ def test_a_bf16_target_on_dart_matmul_gives_the_logits_of_its_plain_one() -> Non
         want = model(ids).logits.float()
         pack_linear_layers(model)
         got = model(ids).logits.float()
-    unpack_linear_layers(model)
+    # What multiplied: every layer's packed copy is DART's (read before unpacking drops them).
     kinds = {
-        type(value).__name__
+        type(packed).__name__
         for module in model.modules()
-        for (_, value) in module.__dict__.get("_derived_weights", {}).values()
+        for (_, (_, packed)) in module.__dict__.get("_derived_weights", {}).values()
     }
-    assert kinds <= {"DartMatmul"}
+    assert kinds == {"DartMatmul"}
+    unpack_linear_layers(model)
+    assert not any("_derived_weights" in module.__dict__ for module in model.modules())
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+
+
+@needs_simd
+def test_fused_projections_are_the_layers_products_bit_for_bit() -> None:
+    """q/k/v (and gate/up) multiplied as one stacked matrix give each layer's own product
+    bits (every output column is computed on its own); a hook on one of them, a prompt-sized
+    block, or unswitched layers decline (None), and a prompt-sized block packs nothing."""
+    from dart_client.models.linear import fused_projection, pack_linear_layers
+
+    model = make_tiny_target("llama", dtype=torch.bfloat16, seed=12)
+    attn = model.model.layers[0].self_attn
+    names = ("q_proj", "k_proj", "v_proj")
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        x = torch.randn(3, 5, attn.q_proj.in_features, generator=g).bfloat16()
+        assert fused_projection(attn, names, x) is None  # not switched by pack_linear_layers
+        pack_linear_layers(model)
+        fused = fused_projection(attn, names, x)
+        assert fused is not None
+        alone = torch.cat([getattr(attn, name)(x) for name in names], -1)
+        assert torch.equal(fused.view(torch.int16), alone.view(torch.int16))
+        handle = attn.k_proj.register_forward_pre_hook(lambda *a: None)
+        assert fused_projection(attn, names, x) is None
+        handle.remove()
+        if NATIVE_BF16_GEMM:
+            mlp = model.model.layers[1].mlp
+            prompt = torch.randn(1, DECODING_ROWS + 1, mlp.gate_proj.in_features).bfloat16()
+            assert fused_projection(mlp, ("gate_proj", "up_proj"), prompt) is None
+            mlp.gate_proj(prompt)  # PyTorch's kernel on the layer's own weight
+            assert "_derived_weights" not in mlp.__dict__
+    with torch.enable_grad():
+        assert fused_projection(attn, names, x.requires_grad_()) is None
 
 
 def test_the_amx_kernel_is_the_product_row_by_row_or_a_clear_error() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -121,17 +122,7 @@ def _native_attention(
     (with DART's matmul, the whole forward does). (b, n, h, d), like transformers' SDPA."""
     b, h, n, d = query.shape
     length = key.shape[2]
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask[..., :length]
-        if mask.dtype == torch.bool:
-            blocked = torch.finfo(torch.bfloat16).min
-            mask = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill_(~mask, blocked)
-        elif mask.dtype != torch.bfloat16:
-            mask = mask.to(torch.bfloat16)
-        if mask.dim() != 4:
-            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        mask = bf16_bits(mask)
+    mask = None if attention_mask is None else _mask_bits(attention_mask, length)
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16)
     _native.tree_attention(
         bf16_bits(query),
@@ -143,6 +134,32 @@ def _native_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def _mask_bits(attention_mask: torch.Tensor, length: int) -> np.ndarray:
+    """The kernel's mask (bf16 bits, 4-D, additive) for ``attention_mask``'s first ``length``
+    keys. Every layer of a forward gets the same mask: the last conversion is kept, keyed by
+    the tensor itself and its version (an in-place change is a new version)."""
+    global _last_mask
+    key = (attention_mask, attention_mask._version, length)
+    last = _last_mask
+    if last is not None and last[0][0] is key[0] and last[0][1:] == key[1:]:
+        return last[1]
+    mask = attention_mask[..., :length]
+    if mask.dtype == torch.bool:
+        blocked = torch.finfo(torch.bfloat16).min
+        mask = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill_(~mask, blocked)
+    elif mask.dtype != torch.bfloat16:
+        mask = mask.to(torch.bfloat16)
+    if mask.dim() != 4:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    bits = bf16_bits(mask)
+    _last_mask = (key, bits)
+    return bits
+
+
+#: :func:`_mask_bits`' last conversion: ((mask, version, length), bits).
+_last_mask: tuple[tuple[torch.Tensor, int, int], np.ndarray] | None = None
 
 
 def register() -> str:

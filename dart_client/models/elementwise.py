@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 
 from dart_client import _native
 from dart_client.models.attention import NAME as SMALL_QUERY_ATTENTION
 from dart_client.models.attention import small_query_attention
-from dart_client.models.native import bf16_bits
+from dart_client.models.linear import fused_projection, hooks_anywhere
+from dart_client.models.native import bf16_bits, from_bits
 
 #: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
 _PLAIN = "_dart_plain_forward"
@@ -79,33 +79,35 @@ def _native_bf16(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``LlamaRMSNorm`` in bf16 (``x`` of any shape ending in ``weight``'s length)."""
-    x = x.contiguous()
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _native.rms_norm(bf16_bits(x), bf16_bits(weight), eps, out.view(torch.uint16).numpy())
-    return out
+    return from_bits(_native.rms_norm(bf16_bits(x.contiguous()), bf16_bits(weight), eps))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in bf16, rounded as PyTorch's two operations round."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    _native.silu_mul(bf16_bits(gate), bf16_bits(up), out.view(torch.uint16).numpy())
-    return out
+    return from_bits(_native.silu_mul(bf16_bits(gate.contiguous()), bf16_bits(up.contiguous())))
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama's rotary embedding of ``x`` ``(b, heads, n, d)`` with ``cos``/``sin``
     ``(b | 1, n, d)``, in bf16 with transformers' rounding; the result as transformers lays
     it out (a (b, heads, n, d) view of (b, n, heads, d) memory)."""
-    b, _, n, d = x.shape
-    tokens_first = x.transpose(1, 2).contiguous()
-    cos = cos.expand(b, n, d).contiguous()
-    sin = sin.expand(b, n, d).contiguous()
-    out = torch.empty_like(tokens_first)
-    _native.rotary(
-        bf16_bits(tokens_first), bf16_bits(cos), bf16_bits(sin), out.view(torch.uint16).numpy()
-    )
-    return out.transpose(1, 2)
+    cos, sin = _rotary_tables(cos, sin, x.shape[0])
+    return rotary_tokens_first(x.transpose(1, 2), cos, sin).transpose(1, 2)
+
+
+def _rotary_tables(
+    cos: torch.Tensor, sin: torch.Tensor, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``(b | 1, n, d)`` as the kernel reads them: ``(batch, n, d)``, contiguous."""
+    if cos.shape[0] != batch:
+        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+    return cos.contiguous(), sin.contiguous()
+
+
+def rotary_tokens_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary` of ``x`` laid out ``(b, n, heads, d)`` (a projection's output), with
+    tables from :func:`_rotary_tables`; the result ``(b, n, heads, d)``, contiguous."""
+    return from_bits(_native.rotary(bf16_bits(x.contiguous()), bf16_bits(cos), bf16_bits(sin)))
 
 
 def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +118,10 @@ def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate_up = fused_projection(self, _GATE_UP, x)
+    if gate_up is not None:
+        gate, up = gate_up.chunk(2, -1)
+        return self.down_proj(silu_mul(gate, up))
     gate, up = self.gate_proj(x), self.up_proj(x)
     if _native_bf16(gate, up):
         return self.down_proj(silu_mul(gate, up))
@@ -136,7 +142,6 @@ def _lean_layer_forward(
     inference on DART's kernels: the same operations in the same order."""
     attn, mlp = self.self_attn, self.mlp
     norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-    parts = self.__dict__[_PARTS]
     if (
         "past_key_values" in kwargs  # the old name of `cache`: transformers' code maps it
         or cache is None
@@ -144,8 +149,8 @@ def _lean_layer_forward(
         or attn.training
         or attn.config._attn_implementation != SMALL_QUERY_ATTENTION
         or not _native_bf16(hidden_states, norm_in.weight, norm_post.weight)
-        or any(m._forward_hooks or m._forward_pre_hooks for m in parts)
-        or _hooks_anywhere()
+        or any(self.__dict__[_PART_HOOKS])
+        or hooks_anywhere()
     ):
         return self.__dict__[_PLAIN](
             hidden_states,
@@ -157,35 +162,42 @@ def _lean_layer_forward(
             **kwargs,
         )
     h = rms_norm(hidden_states, norm_in.weight, float(norm_in.variance_epsilon))
-    input_shape = h.shape[:-1]
-    hidden_shape = (*input_shape, -1, attn.head_dim)
-    query = attn.q_proj.forward(h).view(hidden_shape).transpose(1, 2)
-    key = attn.k_proj.forward(h).view(hidden_shape).transpose(1, 2)
-    value = attn.v_proj.forward(h).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = rotary(query, cos, sin), rotary(key, cos, sin)
+    batch, tokens = h.shape[:2]
+    tokens_first = (batch, tokens, -1, attn.head_dim)
+    projections = attn._modules
+    qkv = fused_projection(attn, _QKV, h)
+    if qkv is None:
+        query, key, value = (projections[name].forward(h) for name in _QKV)
+    else:
+        query, key, value = qkv.split([projections[name].out_features for name in _QKV], -1)
+    cos, sin = _rotary_tables(*position_embeddings, batch)
+    query = rotary_tokens_first(query.view(tokens_first), cos, sin).transpose(1, 2)
+    key = rotary_tokens_first(key.view(tokens_first), cos, sin).transpose(1, 2)
+    value = value.view(tokens_first).transpose(1, 2)
     key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     out, _ = small_query_attention(
         attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs
     )
-    hidden_states = hidden_states + attn.o_proj.forward(out.reshape(*input_shape, -1))
+    hidden_states = hidden_states + projections["o_proj"].forward(out.reshape(batch, tokens, -1))
     h = rms_norm(hidden_states, norm_post.weight, float(norm_post.variance_epsilon))
-    h = mlp.down_proj.forward(silu_mul(mlp.gate_proj.forward(h), mlp.up_proj.forward(h)))
-    return hidden_states + h
+    projections = mlp._modules
+    gate_up = fused_projection(mlp, _GATE_UP, h)
+    if gate_up is None:
+        gate, up = (projections[name].forward(h) for name in _GATE_UP)
+    else:
+        gate, up = gate_up.chunk(2, -1)
+    return hidden_states + projections["down_proj"].forward(silu_mul(gate, up))
 
+
+#: The projections a lean layer multiplies together (:func:`fused_projection`).
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
 
 #: Set on a lean layer: the modules whose forward it calls directly (their hooks would be
-#: skipped, so any hook sends the call to the plain forward).
+#: skipped, so any hook sends the call to the plain forward), and their hook registries
+#: (the dicts that registering a hook adds to: one truth test each per call).
 _PARTS = "_dart_lean_parts"
-
-
-def _hooks_anywhere() -> bool:
-    """Whether global module hooks are registered (they run for every module call)."""
-    return bool(
-        nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-        or getattr(nn_module, "_global_forward_hooks_always_called", None)
-    )
+_PART_HOOKS = "_dart_lean_part_hooks"
 
 
 def _lean_layer_applies(layer: nn.Module) -> bool:
@@ -270,6 +282,11 @@ def use_native_elementwise(model: nn.Module) -> int:
                 mlp.up_proj,
                 mlp.down_proj,
             )
+            layer.__dict__[_PART_HOOKS] = tuple(
+                hooks
+                for part in layer.__dict__[_PARTS]
+                for hooks in (part._forward_hooks, part._forward_pre_hooks)
+            )
             layer.__dict__[_PLAIN] = layer.forward
             layer.forward = types.MethodType(_lean_layer_forward, layer)
             switched += 1
@@ -296,6 +313,7 @@ def restore(model: nn.Module) -> None:
         if module.__dict__.pop(_PLAIN, None) is not None:
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_PARTS, None)
+            module.__dict__.pop(_PART_HOOKS, None)
     for name, users in list(_rotary_users.items()):
         users.discard(id(model))
         if not users:

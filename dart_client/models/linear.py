@@ -36,9 +36,16 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from dart_client import _native
-from dart_client.models.native import DECODING_ROWS, NATIVE_BF16_GEMM, SIMD_KERNELS, bf16_bits
+from dart_client.models.native import (
+    DECODING_ROWS,
+    NATIVE_BF16_GEMM,
+    SIMD_KERNELS,
+    bf16_bits,
+    from_bits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +90,19 @@ class DartMatmul:
         self.packed = _native.PackedMatrix(bf16_bits(weight.contiguous()))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
-        # Both contiguous by construction: their views directly (this runs per layer).
-        self.packed.matmul(
-            rows.view(torch.uint16).numpy(),
-            out.view(torch.uint16).numpy(),
-            None if bias is None else bf16_bits(bias.to(torch.bfloat16)),
-            torch.get_num_threads(),
+        # This runs per linear layer and step: the kernel takes x's leading dimensions as
+        # rows and allocates the result (torch.empty and reshapes cost more than the kernel
+        # call on a small matrix).
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return from_bits(
+            self.packed.matmul(
+                x.view(torch.uint16).numpy(),
+                None,
+                None if bias is None else bf16_bits(bias.to(torch.bfloat16)),
+                torch.get_num_threads(),
+            )
         )
-        return out.view(*x.shape[:-1], self.out_features)
 
 
 class OneDnnMatmul:
@@ -131,6 +139,16 @@ def project(
         # as fast, and its call costs a few microseconds less than oneDNN's (per layer, per
         # token).
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
+    if (
+        len(names) == 1
+        and NATIVE_BF16_GEMM
+        and x.numel() > DECODING_ROWS * x.shape[-1]
+        and _dart_matmul_for(x.dtype)
+    ):
+        # A prompt's prefill: PyTorch's kernel beats the decoding one on long blocks where it
+        # multiplies bf16 natively. The layer's own weight, so no packed copy is made for it
+        # (a layer that decodes through fused_projection never needs its own).
+        return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
     def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, PackedWeight | None]:
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
@@ -152,6 +170,60 @@ def project(
     ):
         return packed(x, bias)
     return F.linear(x, weight, bias)
+
+
+def fused_projection(
+    module: nn.Module, names: tuple[str, ...], x: torch.Tensor
+) -> torch.Tensor | None:
+    """``x`` times ``module``'s linear layers ``names`` stacked along the output dimension
+    (q/k/v, gate/up: one weight pass and one call instead of several), plus their biases,
+    where DART's decoding matmul takes ``x``; None where it does not (the caller runs the
+    layers one by one).
+
+    Each output column is computed on its own, so the stacked product is the layers'
+    products bit for bit. The stacked weight is packed once (:func:`derived_weight`) and
+    stands in for the layers' own packed copies: only layers that
+    :func:`pack_linear_layers` switched are stacked, so memory stays as reported there.
+    """
+    if not _dart_matmul_for(x.dtype) or (
+        NATIVE_BF16_GEMM and x.numel() > DECODING_ROWS * x.shape[-1]
+    ):
+        return None  # a prompt's prefill where PyTorch's kernel is faster (as in project)
+    submodules: dict[str, Any] = module._modules
+    layers = [submodules[name] for name in names]
+    if not all("_plain_forward" in layer.__dict__ for layer in layers):
+        return None
+    if torch.is_grad_enabled() and (
+        x.requires_grad or any(layer._parameters["weight"].requires_grad for layer in layers)
+    ):
+        return None
+    # The layers' forward is bypassed: a hook on one of them must see its call.
+    if any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers) or (
+        hooks_anywhere()
+    ):
+        return None
+    biases = [layer._parameters["bias"] for layer in layers]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        return None
+
+    def build(weights: list[torch.Tensor], live: bool) -> tuple[DartMatmul, torch.Tensor | None]:
+        bias = None if biases[0] is None else torch.cat(biases).to(torch.bfloat16)
+        return DartMatmul(torch.cat(weights)), bias
+
+    packed, bias = derived_weight(module, "fused-dart", names, build)
+    if x.dtype != packed.dtype:
+        return None
+    return packed(x, bias)
+
+
+def hooks_anywhere() -> bool:
+    """Whether global module hooks are registered (they run for every module call, so a
+    path that bypasses module calls must not run)."""
+    return bool(
+        nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+        or getattr(nn_module, "_global_forward_hooks_always_called", None)
+    )
 
 
 def derived_weight(

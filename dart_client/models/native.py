@@ -36,3 +36,9 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous() and (t.stride(-1) != 1 or min(t.stride()) < 0):
         t = t.contiguous()
     return t.view(torch.uint16).numpy()
+
+
+def from_bits(bits: np.ndarray) -> torch.Tensor:
+    """The bf16 tensor whose bits a kernel wrote into a new uint16 array (shared, no copy):
+    the inverse of :func:`bf16_bits`, and cheaper than allocating the output in torch."""
+    return torch.from_numpy(bits).view(torch.bfloat16)

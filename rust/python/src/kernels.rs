@@ -5,9 +5,10 @@
 //! `tensor.view(torch.uint16).numpy()`, no copy).
 
 use dart_kernels::{Backend, PackedMatrix, View4};
+use numpy::ndarray::IxDyn;
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4, PyReadonlyArrayDyn, PyReadwriteArray2,
-    PyReadwriteArray4, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4,
+    PyReadonlyArrayDyn, PyReadwriteArray4, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -78,54 +79,81 @@ impl PyPackedMatrix {
         self.inner.packed_bytes()
     }
 
-    /// `out = x @ weight.T + bias` in place: `x` `(rows, in)`, `out` `(rows, out)`, `bias`
-    /// `(out,)`, all uint16 bf16 bits, C-contiguous. `backend`: "auto", "amx", "avx512",
-    /// "avx2" or "scalar".
-    #[pyo3(signature = (x, out, bias=None, threads=1, backend="auto"))]
-    fn matmul(
+    /// `x @ weight.T + bias`, `x` `(..., in)`, into `out` `(..., out)` when given, else into
+    /// a new array; returns it. `bias` `(out,)`; all uint16 bf16 bits, C-contiguous.
+    /// `backend`: "auto", "amx", "avx512", "avx2" or "scalar".
+    #[pyo3(signature = (x, out=None, bias=None, threads=1, backend="auto"))]
+    fn matmul<'py>(
         &self,
-        py: Python<'_>,
-        x: PyReadonlyArray2<'_, u16>,
-        mut out: PyReadwriteArray2<'_, u16>,
-        bias: Option<PyReadonlyArray1<'_, u16>>,
+        py: Python<'py>,
+        x: PyReadonlyArrayDyn<'py, u16>,
+        out: Option<Bound<'py, PyArrayDyn<u16>>>,
+        bias: Option<PyReadonlyArray1<'py, u16>>,
         threads: usize,
         backend: &str,
-    ) -> PyResult<()> {
+    ) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
         let Some(backend) = Backend::from_name(backend) else {
             let names: Vec<&str> = Backend::ALL.iter().map(|b| b.name()).collect();
             return Err(KernelError::new_err(format!(
                 "backend {backend:?}; expected one of {names:?}"
             )));
         };
-        let rows = x.shape()[0];
-        if x.shape()[1] != self.inner.in_features() {
+        let Some((&columns, leading)) = x.shape().split_last() else {
+            return Err(KernelError::new_err("x has no dimensions"));
+        };
+        if columns != self.inner.in_features() {
             return Err(KernelError::new_err(format!(
-                "x has {} columns, the matrix {} inputs",
-                x.shape()[1],
+                "x has {columns} columns, the matrix {} inputs",
                 self.inner.in_features()
             )));
         }
-        if out.shape() != [rows, self.inner.out_features()] {
-            return Err(KernelError::new_err(format!(
-                "out has shape {:?}, expected [{rows}, {}]",
-                out.shape(),
-                self.inner.out_features()
-            )));
-        }
+        let rows = leading.iter().product::<usize>();
+        let mut shape = leading.to_vec();
+        shape.push(self.inner.out_features());
+        let out = output(py, out, &shape)?;
         let x = slice(&x, "x")?;
         let bias = match &bias {
             Some(b) => Some(slice(b, "bias")?),
             None => None,
         };
-        let out = out_slice(&mut out)?;
-        let inner = &self.inner;
-        if threads <= 1 && rows <= 2 {
-            // A decoding step's matmul takes ~20-100 us: releasing the GIL would add ~1%.
-            inner.matmul_with(backend, x, rows, bias, out, 1)
-        } else {
-            py.detach(|| inner.matmul_with(backend, x, rows, bias, out, threads))
+        {
+            let mut written = writable(&out)?;
+            let out = out_slice(&mut written)?;
+            let inner = &self.inner;
+            if threads <= 1 && rows <= 2 {
+                // A decoding step's matmul takes ~20-100 us: releasing the GIL would add ~1%.
+                inner.matmul_with(backend, x, rows, bias, out, 1)
+            } else {
+                py.detach(|| inner.matmul_with(backend, x, rows, bias, out, threads))
+            }
+            .map_err(to_py_err)?;
         }
-        .map_err(to_py_err)
+        Ok(out)
+    }
+}
+
+/// `out` borrowed for writing: an error for a read-only array or one borrowed elsewhere.
+fn writable<'py>(out: &Bound<'py, PyArrayDyn<u16>>) -> PyResult<PyReadwriteArrayDyn<'py, u16>> {
+    out.try_readwrite()
+        .map_err(|e| KernelError::new_err(format!("out cannot be written: {e}")))
+}
+
+/// The caller's output array, checked against `shape`, or a new one of that shape (its
+/// contents uninitialised: every kernel writes each element of its output).
+fn output<'py>(
+    py: Python<'py>,
+    out: Option<Bound<'py, PyArrayDyn<u16>>>,
+    shape: &[usize],
+) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
+    match out {
+        Some(out) if out.shape() != shape => Err(KernelError::new_err(format!(
+            "out has shape {:?}, expected {shape:?}",
+            out.shape()
+        ))),
+        Some(out) => Ok(out),
+        // SAFETY: the array is handed out only after a kernel wrote all of it (the callers
+        // return it on success only).
+        None => Ok(unsafe { PyArrayDyn::<u16>::new(py, IxDyn(shape), false) }),
     }
 }
 
@@ -202,48 +230,61 @@ fn tree_attention(
     .map_err(to_py_err)
 }
 
-/// `dart_kernels::rms_norm`: `out = weight * bf16(x * rsqrt(mean(x^2) + eps))` over the last
-/// dimension; `x` and `out` of any shape ending in the weight's length, all uint16 bf16 bits,
-/// C-contiguous.
+/// `dart_kernels::rms_norm`: `weight * bf16(x * rsqrt(mean(x^2) + eps))` over the last
+/// dimension of `x` (any shape ending in the weight's length), into `out` (x's shape) or a
+/// new array; returns it. uint16 bf16 bits, C-contiguous.
 #[pyfunction]
-fn rms_norm(
-    x: PyReadonlyArrayDyn<'_, u16>,
-    weight: PyReadonlyArray1<'_, u16>,
+#[pyo3(signature = (x, weight, eps, out=None))]
+fn rms_norm<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArrayDyn<'py, u16>,
+    weight: PyReadonlyArray1<'py, u16>,
     eps: f32,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
-) -> PyResult<()> {
+    out: Option<Bound<'py, PyArrayDyn<u16>>>,
+) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
+    let out = output(py, out, x.shape())?;
     let (x, weight) = (slice(&x, "x")?, slice(&weight, "weight")?);
-    dart_kernels::rms_norm(x, weight, eps, out_slice(&mut out)?).map_err(to_py_err)
+    dart_kernels::rms_norm(x, weight, eps, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    Ok(out)
 }
 
-/// `dart_kernels::rotary`: transformers' `x * cos + rotate_half(x) * sin` in bf16; `x` and
-/// `out` `(tokens, heads, dim)`, `cos` and `sin` `(tokens, dim)` (any leading shape that
-/// flattens to those), uint16 bf16 bits, C-contiguous.
+/// `dart_kernels::rotary`: transformers' `x * cos + rotate_half(x) * sin` in bf16; `x`
+/// `(tokens, heads, dim)`, `cos` and `sin` `(tokens, dim)` (any leading shape that flattens
+/// to those), into `out` (x's shape) or a new array; returns it. uint16 bf16 bits,
+/// C-contiguous.
 #[pyfunction]
-fn rotary(
-    x: PyReadonlyArrayDyn<'_, u16>,
-    cos: PyReadonlyArrayDyn<'_, u16>,
-    sin: PyReadonlyArrayDyn<'_, u16>,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
-) -> PyResult<()> {
+#[pyo3(signature = (x, cos, sin, out=None))]
+fn rotary<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArrayDyn<'py, u16>,
+    cos: PyReadonlyArrayDyn<'py, u16>,
+    sin: PyReadonlyArrayDyn<'py, u16>,
+    out: Option<Bound<'py, PyArrayDyn<u16>>>,
+) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
     let dim = *cos
         .shape()
         .last()
         .ok_or_else(|| KernelError::new_err("cos has no dimensions"))?;
+    let out = output(py, out, x.shape())?;
     let (x, cos, sin) = (slice(&x, "x")?, slice(&cos, "cos")?, slice(&sin, "sin")?);
-    dart_kernels::rotary(x, cos, sin, dim, out_slice(&mut out)?).map_err(to_py_err)
+    dart_kernels::rotary(x, cos, sin, dim, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    Ok(out)
 }
 
-/// `dart_kernels::silu_mul`: `out = silu(gate) * up` rounded as bf16 operations round;
-/// uint16 bf16 bits of one length, C-contiguous.
+/// `dart_kernels::silu_mul`: `silu(gate) * up` rounded as bf16 operations round, into `out`
+/// (gate's shape) or a new array; returns it. uint16 bf16 bits of one length, C-contiguous.
 #[pyfunction]
-fn silu_mul(
-    gate: PyReadonlyArrayDyn<'_, u16>,
-    up: PyReadonlyArrayDyn<'_, u16>,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
-) -> PyResult<()> {
+#[pyo3(signature = (gate, up, out=None))]
+fn silu_mul<'py>(
+    py: Python<'py>,
+    gate: PyReadonlyArrayDyn<'py, u16>,
+    up: PyReadonlyArrayDyn<'py, u16>,
+    out: Option<Bound<'py, PyArrayDyn<u16>>>,
+) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
+    let out = output(py, out, gate.shape())?;
     let (gate, up) = (slice(&gate, "gate")?, slice(&up, "up")?);
-    dart_kernels::silu_mul(gate, up, out_slice(&mut out)?).map_err(to_py_err)
+    dart_kernels::silu_mul(gate, up, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    Ok(out)
 }
 
 /// Whether a SIMD decoding kernel runs on this CPU (AMX, AVX-512F/BW/VL, or AVX2 with FMA);
