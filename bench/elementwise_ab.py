@@ -1,9 +1,13 @@
-"""The native element-wise kernels (norms, rotary embedding, SiLU product) on and off, side by
-side: one process verifies the same trees with them switched off and on in turn, forward by
-forward, so a busy machine slows both alike. Per shape: the median forward each way (ms of this
-thread's CPU time) and the median of the pairs' ratios.
+"""A native CPU path on and off, side by side: one process verifies the same trees with it
+switched off and on in turn, forward by forward, so a busy machine slows both alike. Per shape:
+the median forward each way (ms of this thread's CPU time) and the median of the pairs' ratios.
 
-    python bench/elementwise_ab.py [--shapes 1x1 1x12 4x1 4x5] [--context 256] [--pairs 15]
+    python bench/elementwise_ab.py [--switch elementwise|whole-layer] [--shapes 1x1 1x12 4x1 4x5]
+        [--context 256] [--pairs 15]
+
+``elementwise``: the native norms, rotary embedding and SiLU product against transformers' ops.
+``whole-layer``: a decoder layer in one native call (``_native.decoder_layer``) against the
+same kernels called one by one from Python.
 
 The embedded SmolLM2-135M in bf16, 1 thread (figures: docs/performance-notes.md).
 """
@@ -28,6 +32,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["1x1", "1x12", "4x1", "4x5"])
     p.add_argument("--context", type=int, default=256, help="cached tokens of every row")
     p.add_argument("--pairs", type=int, default=15, help="forwards each way per shape")
+    p.add_argument("--switch", choices=["elementwise", "whole-layer"], default="elementwise")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = build_model(None, "auto", "embedded", dtype="bf16", device="cpu", notes=[])
@@ -36,7 +41,22 @@ def main() -> None:
         raise SystemExit("the native element-wise kernels are off here (not a CPU bf16 target)")
     rng = np.random.default_rng(1)
     prefilled = _prefilled(model, args.context, 0)[0]
-    print("| rows x nodes | transformers' ops, ms | native, ms | native / transformers' (pairs) |")
+    whole_layer = elementwise._native_layer
+    off, on = (
+        ("transformers' ops", "native")
+        if args.switch == "elementwise"
+        else ("kernels one by one", "one call per layer")
+    )
+
+    def switch(native: bool) -> None:
+        if args.switch == "whole-layer":
+            elementwise._native_layer = whole_layer if native else lambda *a, **k: None
+        elif native:
+            elementwise.use_native_elementwise(target.model)
+        else:
+            elementwise.restore(target.model)
+
+    print(f"| rows x nodes | {off}, ms | {on}, ms | {on} / {off} (pairs) |")
     print("|---|---:|---:|---:|")
     for shape in args.shapes:
         rows, nodes = (int(x) for x in shape.split("x"))
@@ -48,10 +68,7 @@ def main() -> None:
         ms: dict[bool, list[float]] = {False: [], True: []}
         for i in range(args.pairs + 1):
             for native in (False, True):
-                if native:
-                    elementwise.use_native_elementwise(target.model)
-                else:
-                    elementwise.restore(target.model)
+                switch(native)
                 start = time.thread_time()
                 verify_trees(target, cache, trees, taps=nodes > 1)
                 if i:  # the first pair pays for new shapes

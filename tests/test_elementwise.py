@@ -220,3 +220,96 @@ def test_a_bf16_target_on_the_cpu_switches_its_kernels() -> None:
         assert not any("forward" in m.__dict__ for m in target.model.modules())
     finally:
         target.close()
+
+
+def test_the_whole_layer_in_one_native_call_gives_the_kernels_bits_on_ragged_rows() -> None:
+    """A batched verification (rows of different cached lengths, trees under a mask) through
+    ``_native.decoder_layer`` gives the logits and cache of the same kernels called one by
+    one from Python, bit for bit; prefill (buffers not yet allocated) and layers with biases
+    take the one-by-one path."""
+    from dart_client.decoding.verify import Tree, verify_trees
+
+    target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=8))
+    if target.replaced_attention is None:
+        pytest.skip("the CPU decoding kernels are off on this machine")
+    calls: list[bool] = []
+    whole = elementwise._native_layer
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
+        out = whole(*args, **kwargs)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    trees = [
+        Tree.build([5, 9, 17], [-1, 0, 0]),
+        Tree.build([40, 41, 7, 8], [-1, 0, 1, 1]),
+        Tree.build([30], [-1]),
+    ]
+
+    def verify(native: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        elementwise._native_layer = counted if native else lambda *a, **k: None
+        try:
+            cache = target.new_cache(40, len(trees))
+            for row, length in enumerate((7, 12, 3)):
+                alone = target.new_cache(40)
+                ids = torch.arange(length)[None] * 7 % 300 + row
+                target.forward(ids, torch.arange(length)[None], alone, taps=False)
+                cache.put_row(row, alone)
+            logits, _ = verify_trees(target, cache, trees, taps=False)
+            # Every written position (the buffers past them are uninitialised).
+            return logits, [torch.cat([layer.keys, layer.values]) for layer in cache.layers]
+        finally:
+            elementwise._native_layer = whole
+
+    want, want_cache = verify(native=False)
+    got, got_cache = verify(native=True)
+    layers = len(target.model.model.layers)
+    # Each prompt's prefill allocates its cache on the Python path; the tree step is native.
+    assert calls.count(True) == layers and calls.count(False) == 3 * layers
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache, strict=True))
+    attn = target.model.model.layers[0].self_attn
+    attn.o_proj.bias = nn.Parameter(torch.zeros(attn.o_proj.out_features, dtype=torch.bfloat16))
+    calls.clear()
+    verify(native=True)
+    assert calls.count(True) == layers - 1  # layer 0 (a bias) ran its kernels one by one
+
+
+def test_the_native_layer_refuses_weights_and_caches_that_do_not_fit() -> None:
+    import numpy as np
+
+    def packed(n: int, k: int) -> object:
+        return _native.PackedMatrix(np.zeros((n, k), dtype=np.uint16))
+
+    width, heads, kv, d, inner = 16, 2, 1, 4, 8
+    u16 = np.uint16
+    args = dict(
+        hidden=np.zeros((1, 2, width), u16),
+        input_norm=np.zeros(width, u16),
+        post_attention_norm=np.zeros(width, u16),
+        eps=1e-5,
+        qkv=packed((heads + 2 * kv) * d, width),
+        o=packed(width, heads * d),
+        gate_up=packed(2 * inner, width),
+        down=packed(width, inner),
+        heads=heads,
+        kv_heads=kv,
+        scale=0.5,
+        cos=np.zeros((1, 2, d), u16),
+        sin=np.zeros((1, 2, d), u16),
+        keys=np.zeros((1, kv, 8, d), u16),
+        values=np.zeros((1, kv, 8, d), u16),
+        start=3,
+    )
+    out = _native.decoder_layer(**args)
+    assert out.shape == (1, 2, width)
+    with pytest.raises(_native.KernelError, match="qkv has shape"):
+        _native.decoder_layer(**{**args, "qkv": packed(5 * d, width)})
+    with pytest.raises(_native.KernelError, match="cache has shape"):
+        _native.decoder_layer(**{**args, "start": 7})
+    with pytest.raises(_native.KernelError, match="cos/sin have shapes"):
+        _native.decoder_layer(**{**args, "cos": np.zeros((1, 3, d), u16)})
+    read_only = np.zeros((1, kv, 8, d), u16)
+    read_only.flags.writeable = False
+    with pytest.raises(_native.KernelError, match="keys cannot be written"):
+        _native.decoder_layer(**{**args, "keys": read_only})

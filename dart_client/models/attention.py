@@ -122,7 +122,7 @@ def _native_attention(
     (with DART's matmul, the whole forward does). (b, n, h, d), like transformers' SDPA."""
     b, h, n, d = query.shape
     length = key.shape[2]
-    mask = None if attention_mask is None else _mask_bits(attention_mask, length)
+    mask = None if attention_mask is None else mask_bits(attention_mask, length)
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16)
     _native.tree_attention(
         bf16_bits(query),
@@ -136,7 +136,7 @@ def _native_attention(
     return out
 
 
-def _mask_bits(attention_mask: torch.Tensor, length: int) -> np.ndarray:
+def mask_bits(attention_mask: torch.Tensor, length: int) -> np.ndarray:
     """The kernel's mask (bf16 bits, 4-D, additive) for ``attention_mask``'s first ``length``
     keys. Every layer of a forward gets the same mask: the last conversion is kept, keyed by
     the tensor itself and its version (an in-place change is a new version)."""

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from dart_client import _native
+from dart_client.models.attention import MAX_QUERIES, mask_bits, small_query_attention
 from dart_client.models.attention import NAME as SMALL_QUERY_ATTENTION
-from dart_client.models.attention import small_query_attention
-from dart_client.models.linear import fused_projection, hooks_anywhere
+from dart_client.models.linear import decoding_matrix, fused_projection, hooks_anywhere
 from dart_client.models.native import bf16_bits, from_bits
 
 #: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
@@ -161,6 +161,9 @@ def _lean_layer_forward(
             position_embeddings=position_embeddings,
             **kwargs,
         )
+    whole = _native_layer(self, hidden_states, attention_mask, cache, position_embeddings, kwargs)
+    if whole is not None:
+        return whole
     h = rms_norm(hidden_states, norm_in.weight, float(norm_in.variance_epsilon))
     batch, tokens = h.shape[:2]
     tokens_first = (batch, tokens, -1, attn.head_dim)
@@ -187,6 +190,72 @@ def _lean_layer_forward(
     else:
         gate, up = gate_up.chunk(2, -1)
     return hidden_states + projections["down_proj"].forward(silu_mul(gate, up))
+
+
+def _native_layer(
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The lean layer's operations in one native call (``_native.decoder_layer``: the same
+    kernels in the same order, so the same bits) where every part runs DART's kernels: its
+    four matmuls packed for decoding (a decoding step's rows, no biases), a cache that takes
+    the new keys in place (``PreallocatedLayer.writable``), attention that would run DART's
+    kernel (no soft-capping, sliding window or position bias). None: the caller runs them
+    one by one."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if hidden_states.dim() != 3 or any(
+        kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
+    ):
+        return None
+    matrices = [
+        decoding_matrix(attn, _QKV, hidden_states),
+        decoding_matrix(attn, ("o_proj",), hidden_states),
+        decoding_matrix(mlp, _GATE_UP, hidden_states),
+        decoding_matrix(mlp, ("down_proj",), hidden_states),
+    ]
+    packed = [m[0].packed for m in matrices if m is not None and m[1] is None]
+    writable = getattr(cache.layers[attn.layer_idx], "writable", None) if cache else None
+    if len(packed) != 4 or writable is None:
+        return None
+    cos, sin = position_embeddings
+    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+        return None
+    batch, tokens = hidden_states.shape[:2]
+    buffers = writable(batch, tokens)
+    if buffers is None or buffers[0].dtype != torch.bfloat16:
+        return None
+    keys, values, start = buffers
+    head_dim = attn.head_dim
+    heads = attn.q_proj.out_features // head_dim
+    kv_heads = attn.k_proj.out_features // head_dim
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    eps = float(norm_in.variance_epsilon)
+    if tokens > MAX_QUERIES or heads % kv_heads or float(norm_post.variance_epsilon) != eps:
+        return None
+    cos, sin = _rotary_tables(cos, sin, batch)
+    out = _native.decoder_layer(
+        bf16_bits(hidden_states.contiguous()),
+        bf16_bits(norm_in.weight),
+        bf16_bits(norm_post.weight),
+        eps,
+        *packed,
+        heads,
+        kv_heads,
+        float(attn.scaling),
+        bf16_bits(cos),
+        bf16_bits(sin),
+        keys.view(torch.uint16).numpy(),
+        values.view(torch.uint16).numpy(),
+        start,
+        None if attention_mask is None else mask_bits(attention_mask, start + tokens),
+        torch.get_num_threads(),
+    )
+    cache.layers[attn.layer_idx].set_length(start + tokens)
+    return from_bits(out)
 
 
 #: The projections a lean layer multiplies together (:func:`fused_projection`).

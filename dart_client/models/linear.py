@@ -150,11 +150,7 @@ def project(
         # (a layer that decodes through fused_projection never needs its own).
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
-    def build(weights: list[torch.Tensor], live: bool) -> tuple[torch.Tensor, PackedWeight | None]:
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        return weight, None if live else pack_for_cpu(weight)
-
-    weight, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, build)
+    weight, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, _stack_and_pack)
     # The packed kernels have no backward: an input that needs a gradient takes F.linear.
     if (
         packed is not None
@@ -177,13 +173,27 @@ def fused_projection(
 ) -> torch.Tensor | None:
     """``x`` times ``module``'s linear layers ``names`` stacked along the output dimension
     (q/k/v, gate/up: one weight pass and one call instead of several), plus their biases,
-    where DART's decoding matmul takes ``x``; None where it does not (the caller runs the
-    layers one by one).
+    where DART's decoding matmul takes ``x`` (:func:`decoding_matrix`); None where it does
+    not (the caller runs the layers one by one).
 
     Each output column is computed on its own, so the stacked product is the layers'
-    products bit for bit. The stacked weight is packed once (:func:`derived_weight`) and
-    stands in for the layers' own packed copies: only layers that
-    :func:`pack_linear_layers` switched are stacked, so memory stays as reported there.
+    products bit for bit."""
+    found = decoding_matrix(module, names, x)
+    return None if found is None else found[0](x, found[1])
+
+
+def decoding_matrix(
+    module: nn.Module, names: tuple[str, ...], x: torch.Tensor
+) -> tuple[DartMatmul, torch.Tensor | None] | None:
+    """The DART-packed matrix of ``module``'s linear layers ``names`` (their weights stacked
+    along the output dimension when several) and their stacked bias, for multiplying ``x``
+    without calling the layers; None where DART's decoding matmul does not take ``x``, the
+    layers were not switched by :func:`pack_linear_layers`, a gradient is wanted, or a hook
+    would miss the call.
+
+    One layer's matrix is the one its own packed forward uses (:func:`project`); a stack is
+    packed once (:func:`derived_weight`) and stands in for its layers' own copies, which
+    decoding then never builds: memory stays as :func:`pack_linear_layers` reported.
     """
     if not _dart_matmul_for(x.dtype) or (
         NATIVE_BF16_GEMM and x.numel() > DECODING_ROWS * x.shape[-1]
@@ -203,6 +213,9 @@ def fused_projection(
     ):
         return None
     biases = [layer._parameters["bias"] for layer in layers]
+    if len(names) == 1:
+        _, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, _stack_and_pack)
+        return (packed, biases[0]) if isinstance(packed, DartMatmul) else None
     if any(b is not None for b in biases) and any(b is None for b in biases):
         return None
 
@@ -210,10 +223,18 @@ def fused_projection(
         bias = None if biases[0] is None else torch.cat(biases).to(torch.bfloat16)
         return DartMatmul(torch.cat(weights)), bias
 
-    packed, bias = derived_weight(module, "fused-dart", names, build)
-    if x.dtype != packed.dtype:
-        return None
-    return packed(x, bias)
+    stacked: tuple[DartMatmul, torch.Tensor | None] = derived_weight(
+        module, "fused-dart", names, build
+    )
+    return stacked
+
+
+def _stack_and_pack(
+    weights: list[torch.Tensor], live: bool
+) -> tuple[torch.Tensor, PackedWeight | None]:
+    """:func:`project`'s derived weight: the weights stacked, and packed unless ``live``."""
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    return weight, None if live else pack_for_cpu(weight)
 
 
 def hooks_anywhere() -> bool:

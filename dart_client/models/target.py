@@ -111,6 +111,24 @@ class PreallocatedLayer(DynamicLayer):
         self.length = end
         return self._k[:rows, :, :end], self._v[:rows, :, :end]
 
+    def writable(self, batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a kernel that appends ``tokens`` positions of ``batch`` rows itself
+        (``_native.decoder_layer``): the live rows' K and V buffers (full capacity, written
+        in place) and the first position to write; the caller then moves the length with
+        :meth:`set_length`. None where :meth:`update` must run (static slots, buffers not
+        allocated yet, another row count); an overflow is the error ``update`` raises."""
+        if self.slots is not None or self._k is None or self._v is None:
+            return None
+        k, v = self._k[: self.rows], self._v[: self.rows]
+        if k.shape[0] != batch:
+            return None
+        end = self.length + tokens
+        if end > self.capacity:
+            raise RuntimeError(
+                f"target KV cache overflow: {end} positions for a capacity of {self.capacity}"
+            )
+        return k, v, self.length
+
     def get_seq_length(self) -> int:
         return self.length
 

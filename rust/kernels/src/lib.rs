@@ -19,6 +19,9 @@
 //! [`rms_norm`], [`rotary`] and [`silu_mul`] are a decoder layer's element-wise parts, one
 //! pass over the rows each (per-row too, so they keep that property).
 //!
+//! [`DecoderLayer`] runs a whole Llama decoder layer on them in one call, with the bits of
+//! calling them one by one.
+//!
 //! No Python here; the bindings live in `rust/python`.
 
 mod attention;
@@ -26,6 +29,7 @@ mod bf16;
 mod elementwise;
 mod error;
 mod expf;
+mod layer;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -34,6 +38,7 @@ pub use attention::{attention, View4, BLOCKED_AT_OR_BELOW};
 pub use bf16::{bf16_to_f32, f32_to_bf16};
 pub use elementwise::{rms_norm, rotary, silu_mul};
 pub use error::{KernelError, Result};
+pub use layer::{CacheMut, DecoderLayer};
 pub use matmul::{
     Backend, PackedMatrix, AMX_ROWS_PER_PASS, MAX_ROWS_PER_PASS, PAIRS_PER_BLOCK, PANEL_COLUMNS,
 };

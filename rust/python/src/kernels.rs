@@ -1,14 +1,15 @@
 //! The CPU decoding kernels of `dart_kernels`: `PackedMatrix` (the matmul behind
 //! `dart_client.models.linear`), `tree_attention` (behind `dart_client.models.attention`) and
-//! the element-wise `rms_norm`, `rotary`, `silu_mul` (behind `dart_client.models.elementwise`).
+//! the element-wise `rms_norm`, `rotary`, `silu_mul` and the whole `decoder_layer` (behind
+//! `dart_client.models.elementwise`).
 //! bf16 crosses as its bits in uint16 arrays (numpy has no bf16:
 //! `tensor.view(torch.uint16).numpy()`, no copy).
 
-use dart_kernels::{Backend, PackedMatrix, View4};
+use dart_kernels::{Backend, CacheMut, DecoderLayer, PackedMatrix, View4};
 use numpy::ndarray::IxDyn;
 use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray4,
-    PyReadonlyArrayDyn, PyReadwriteArray4, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    PyArray4, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyReadonlyArray4, PyReadonlyArrayDyn, PyReadwriteArray4, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -117,7 +118,7 @@ impl PyPackedMatrix {
             None => None,
         };
         {
-            let mut written = writable(&out)?;
+            let mut written = writable("out", &out)?;
             let out = out_slice(&mut written)?;
             let inner = &self.inner;
             if threads <= 1 && rows <= 2 {
@@ -132,10 +133,14 @@ impl PyPackedMatrix {
     }
 }
 
-/// `out` borrowed for writing: an error for a read-only array or one borrowed elsewhere.
-fn writable<'py>(out: &Bound<'py, PyArrayDyn<u16>>) -> PyResult<PyReadwriteArrayDyn<'py, u16>> {
-    out.try_readwrite()
-        .map_err(|e| KernelError::new_err(format!("out cannot be written: {e}")))
+/// An array borrowed for writing: an error naming it for a read-only array or one borrowed
+/// elsewhere (numpy's own extraction would panic).
+fn writable<'py, D: numpy::ndarray::Dimension>(
+    what: &str,
+    a: &Bound<'py, numpy::PyArray<u16, D>>,
+) -> PyResult<numpy::PyReadwriteArray<'py, u16, D>> {
+    a.try_readwrite()
+        .map_err(|e| KernelError::new_err(format!("{what} cannot be written: {e}")))
 }
 
 /// The caller's output array, checked against `shape`, or a new one of that shape (its
@@ -161,27 +166,7 @@ fn output<'py>(
 /// dimension contiguous (checked by `View4::new`).
 fn view4<'a>(what: &'static str, a: &'a PyReadonlyArray4<'_, u16>) -> PyResult<View4<'a>> {
     let shape = [a.shape()[0], a.shape()[1], a.shape()[2], a.shape()[3]];
-    let mut strides = [0usize; 4];
-    for (dst, (&bytes, &n)) in strides.iter_mut().zip(a.strides().iter().zip(&shape)) {
-        if bytes < 0 || bytes % 2 != 0 {
-            return Err(KernelError::new_err(format!(
-                "{what} has a negative or odd stride ({bytes} bytes)"
-            )));
-        }
-        // A dimension of size 1 may carry any stride (numpy and torch both write 0 or junk).
-        *dst = if n == 1 { 0 } else { bytes as usize / 2 };
-    }
-    if shape.contains(&0) {
-        return Err(KernelError::new_err(format!(
-            "{what} has an empty dimension"
-        )));
-    }
-    let span = shape
-        .iter()
-        .zip(&strides)
-        .map(|(&n, &s)| (n - 1) * s)
-        .sum::<usize>()
-        + 1;
+    let (strides, span) = strides_and_span(what, shape, a.strides())?;
     // SAFETY: every element of the array lies in [ptr, ptr + span) (non-negative strides),
     // and the array stays borrowed (read-only) for 'a.
     let data = unsafe { std::slice::from_raw_parts(a.as_array().as_ptr(), span) };
@@ -199,7 +184,7 @@ fn tree_attention(
     query: PyReadonlyArray4<'_, u16>,
     key: PyReadonlyArray4<'_, u16>,
     value: PyReadonlyArray4<'_, u16>,
-    mut out: PyReadwriteArray4<'_, u16>,
+    out: Bound<'_, PyArray4<u16>>,
     mask: Option<PyReadonlyArray4<'_, u16>>,
     scale: f32,
     threads: usize,
@@ -220,6 +205,7 @@ fn tree_attention(
             out.shape()
         )));
     }
+    let mut out = writable("out", &out)?;
     let out = out_slice(&mut out)?;
     let m = m.as_ref();
     if threads <= 1 {
@@ -228,6 +214,145 @@ fn tree_attention(
         py.detach(|| dart_kernels::attention(&q, &k, &v, m, scale, out, threads))
     }
     .map_err(to_py_err)
+}
+
+/// A 4-D array's strides in elements (bf16: 2 bytes), 0 for dimensions of size 1, and the
+/// number of elements its last element lies from its first (+1): what a view spans.
+fn strides_and_span(
+    what: &str,
+    shape: [usize; 4],
+    strides: &[isize],
+) -> PyResult<([usize; 4], usize)> {
+    let mut out = [0usize; 4];
+    for (dst, (&bytes, &n)) in out.iter_mut().zip(strides.iter().zip(&shape)) {
+        if bytes < 0 || bytes % 2 != 0 {
+            return Err(KernelError::new_err(format!(
+                "{what} has a negative or odd stride ({bytes} bytes)"
+            )));
+        }
+        // A dimension of size 1 may carry any stride (numpy and torch both write 0 or junk).
+        *dst = if n == 1 { 0 } else { bytes as usize / 2 };
+    }
+    if shape.contains(&0) {
+        return Err(KernelError::new_err(format!(
+            "{what} has an empty dimension"
+        )));
+    }
+    let span = shape
+        .iter()
+        .zip(&out)
+        .map(|(&n, &s)| (n - 1) * s)
+        .sum::<usize>()
+        + 1;
+    Ok((out, span))
+}
+
+/// A writable numpy array of bf16 bits as a cache the layer writes: any non-negative
+/// strides, the last dimension contiguous (checked by `CacheMut::new`).
+fn cache_mut<'a>(
+    what: &'static str,
+    a: &'a mut PyReadwriteArray4<'_, u16>,
+) -> PyResult<CacheMut<'a>> {
+    let shape = [a.shape()[0], a.shape()[1], a.shape()[2], a.shape()[3]];
+    let (strides, span) = strides_and_span(what, shape, a.strides())?;
+    // SAFETY: every element of the array lies in [ptr, ptr + span) (non-negative strides),
+    // and the array stays borrowed for writing (numpy's borrow tracking: no other view of it
+    // is borrowed meanwhile) for 'a.
+    let data = unsafe { std::slice::from_raw_parts_mut(a.as_array_mut().as_mut_ptr(), span) };
+    CacheMut::new(what, data, shape, strides).map_err(to_py_err)
+}
+
+/// `dart_kernels::DecoderLayer::forward`: a Llama decoder layer on `hidden` `(batch, tokens,
+/// hidden)` in one call, with the bits of its kernels called one by one. `qkv` and `gate_up`
+/// are the stacked projections (q, k, v rows; gate, up rows), `cos`/`sin` `(batch, tokens,
+/// head_dim)`; the new keys and values go to positions `start..start + tokens` of `keys` /
+/// `values` `(batch, kv_heads, capacity, head_dim)` (written in place), and the queries see
+/// their first `start + tokens` positions through `mask` (as `tree_attention` takes it) or
+/// causally. Returns the layer's output `(batch, tokens, hidden)`. All uint16 bf16 bits.
+#[pyfunction]
+#[pyo3(signature = (
+    hidden, input_norm, post_attention_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
+    scale, cos, sin, keys, values, start, mask=None, threads=1
+))]
+#[allow(clippy::too_many_arguments)]
+fn decoder_layer<'py>(
+    py: Python<'py>,
+    hidden: PyReadonlyArray3<'py, u16>,
+    input_norm: PyReadonlyArray1<'py, u16>,
+    post_attention_norm: PyReadonlyArray1<'py, u16>,
+    eps: f32,
+    qkv: PyRef<'py, PyPackedMatrix>,
+    o: PyRef<'py, PyPackedMatrix>,
+    gate_up: PyRef<'py, PyPackedMatrix>,
+    down: PyRef<'py, PyPackedMatrix>,
+    heads: usize,
+    kv_heads: usize,
+    scale: f32,
+    cos: PyReadonlyArray3<'py, u16>,
+    sin: PyReadonlyArray3<'py, u16>,
+    keys: Bound<'py, PyArray4<u16>>,
+    values: Bound<'py, PyArray4<u16>>,
+    start: usize,
+    mask: Option<PyReadonlyArray4<'py, u16>>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
+    let [batch, tokens, _] = [hidden.shape()[0], hidden.shape()[1], hidden.shape()[2]];
+    let [cb, ct, head_dim] = [cos.shape()[0], cos.shape()[1], cos.shape()[2]];
+    if (cb, ct) != (batch, tokens) || sin.shape() != cos.shape() {
+        return Err(KernelError::new_err(format!(
+            "cos/sin have shapes {:?}/{:?}, expected ({batch}, {tokens}, head_dim)",
+            cos.shape(),
+            sin.shape()
+        )));
+    }
+    let layer = DecoderLayer {
+        input_norm: slice(&input_norm, "input_norm")?,
+        post_attention_norm: slice(&post_attention_norm, "post_attention_norm")?,
+        eps,
+        qkv: &qkv.inner,
+        o: &o.inner,
+        gate_up: &gate_up.inner,
+        down: &down.inner,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+    };
+    let out = output(py, None, hidden.shape())?;
+    let (x, cos, sin) = (
+        slice(&hidden, "hidden")?,
+        slice(&cos, "cos")?,
+        slice(&sin, "sin")?,
+    );
+    let (mut keys, mut values) = (writable("keys", &keys)?, writable("values", &values)?);
+    let mut keys = cache_mut("keys", &mut keys)?;
+    let mut values = cache_mut("values", &mut values)?;
+    let mask = match &mask {
+        Some(m) => Some(view4("mask", m)?),
+        None => None,
+    };
+    {
+        let mut written = writable("out", &out)?;
+        let out = out_slice(&mut written)?;
+        // A layer takes about a millisecond: other Python threads (a server's) run meanwhile.
+        py.detach(|| {
+            layer.forward(
+                x,
+                batch,
+                tokens,
+                cos,
+                sin,
+                &mut keys,
+                &mut values,
+                start,
+                mask.as_ref(),
+                out,
+                threads.max(1),
+            )
+        })
+        .map_err(to_py_err)?;
+    }
+    Ok(out)
 }
 
 /// `dart_kernels::rms_norm`: `weight * bf16(x * rsqrt(mean(x^2) + eps))` over the last
@@ -244,7 +369,8 @@ fn rms_norm<'py>(
 ) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
     let out = output(py, out, x.shape())?;
     let (x, weight) = (slice(&x, "x")?, slice(&weight, "weight")?);
-    dart_kernels::rms_norm(x, weight, eps, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    dart_kernels::rms_norm(x, weight, eps, out_slice(&mut writable("out", &out)?)?)
+        .map_err(to_py_err)?;
     Ok(out)
 }
 
@@ -267,7 +393,8 @@ fn rotary<'py>(
         .ok_or_else(|| KernelError::new_err("cos has no dimensions"))?;
     let out = output(py, out, x.shape())?;
     let (x, cos, sin) = (slice(&x, "x")?, slice(&cos, "cos")?, slice(&sin, "sin")?);
-    dart_kernels::rotary(x, cos, sin, dim, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    dart_kernels::rotary(x, cos, sin, dim, out_slice(&mut writable("out", &out)?)?)
+        .map_err(to_py_err)?;
     Ok(out)
 }
 
@@ -283,7 +410,7 @@ fn silu_mul<'py>(
 ) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
     let out = output(py, out, gate.shape())?;
     let (gate, up) = (slice(&gate, "gate")?, slice(&up, "up")?);
-    dart_kernels::silu_mul(gate, up, out_slice(&mut writable(&out)?)?).map_err(to_py_err)?;
+    dart_kernels::silu_mul(gate, up, out_slice(&mut writable("out", &out)?)?).map_err(to_py_err)?;
     Ok(out)
 }
 
@@ -319,6 +446,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decoding_matmul_backend, m)?)?;
     m.add_function(wrap_pyfunction!(decoding_matmul_backends, m)?)?;
     m.add_function(wrap_pyfunction!(tree_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(decoder_layer, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rotary, m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, m)?)?;
