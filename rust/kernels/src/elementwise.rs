@@ -11,7 +11,7 @@
 //! from PyTorch's in the last f32 bit.
 
 use crate::bf16::bf16_to_f32;
-use crate::error::{KernelError, Result};
+use crate::error::{check_len, KernelError, Result};
 use crate::expf::{LN2_HI, LN2_LO, POLY};
 
 /// `weight * bf16(x * rsqrt(mean(x²) + eps))` per row of `dim` values (LlamaRMSNorm and
@@ -221,18 +221,6 @@ fn exp(x: f32) -> f32 {
         e * 2.0
     } else {
         e
-    }
-}
-
-fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(KernelError::Length {
-            what,
-            expected,
-            got,
-        })
     }
 }
 

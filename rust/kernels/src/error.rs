@@ -39,3 +39,16 @@ pub enum KernelError {
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// `got` elements where the shapes say `expected`: a [`KernelError::Length`] naming `what`.
+pub(crate) fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}

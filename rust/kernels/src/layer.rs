@@ -12,7 +12,7 @@
 use crate::attention::{attention, View4};
 use crate::bf16::{bf16_to_f32, f32_to_bf16};
 use crate::elementwise::{rms_norm, rotary, silu_mul};
-use crate::error::{KernelError, Result};
+use crate::error::{check_len, KernelError, Result};
 use crate::matmul::PackedMatrix;
 
 /// A layer's key or value cache, `(batch, kv_heads, capacity, dim)` bf16 bits, any
@@ -229,18 +229,6 @@ impl DecoderLayer<'_> {
 fn add(a: &[u16], b: &[u16], out: &mut [u16]) {
     for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
         *o = f32_to_bf16(bf16_to_f32(x) + bf16_to_f32(y));
-    }
-}
-
-fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(KernelError::Length {
-            what,
-            expected,
-            got,
-        })
     }
 }
 

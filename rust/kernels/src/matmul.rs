@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::bf16::{bf16_to_f32, f32_to_bf16};
-use crate::error::{KernelError, Result};
+use crate::error::{check_len, KernelError, Result};
 
 /// Outputs per panel: two 16-lane f32 accumulators per row.
 pub const PANEL_COLUMNS: usize = 32;
@@ -226,7 +226,7 @@ impl PackedMatrix {
                 max: usize::MAX,
                 got: usize::MAX,
             })?;
-        check_len("weight", expected, weight.len())?;
+        check_len("weight", weight.len(), expected)?;
         let pairs = in_features.div_ceil(2);
         let panel_pairs = pairs.next_multiple_of(PAIRS_PER_BLOCK);
         let panels = out_features.div_ceil(PANEL_COLUMNS);
@@ -295,10 +295,10 @@ impl PackedMatrix {
         threads: usize,
     ) -> Result<()> {
         positive("rows", rows)?;
-        check_len("x", rows * self.in_features, x.len())?;
-        check_len("out", rows * self.out_features, out.len())?;
+        check_len("x", x.len(), rows * self.in_features)?;
+        check_len("out", out.len(), rows * self.out_features)?;
         if let Some(b) = bias {
-            check_len("bias", self.out_features, b.len())?;
+            check_len("bias", b.len(), self.out_features)?;
         }
         let backend = match backend {
             Backend::Auto => Backend::best(),
@@ -957,17 +957,6 @@ fn positive(what: &'static str, value: usize) -> Result<()> {
             what,
             max: usize::MAX,
             got: 0,
-        });
-    }
-    Ok(())
-}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(KernelError::Length {
-            what,
-            expected,
-            got,
         });
     }
     Ok(())
