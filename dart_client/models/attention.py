@@ -158,7 +158,7 @@ def mask_bits(attention_mask: torch.Tensor, length: int) -> np.ndarray:
     return bits
 
 
-#: :func:`_mask_bits`' last conversion: ((mask, version, length), bits).
+#: :func:`mask_bits`' last conversion: ((mask, version, length), bits).
 _last_mask: tuple[tuple[torch.Tensor, int, int], np.ndarray] | None = None
 
 

@@ -218,7 +218,7 @@ def _native_layer(
         decoding_matrix(mlp, ("down_proj",), hidden_states),
     ]
     packed = [m[0].packed for m in matrices if m is not None and m[1] is None]
-    writable = getattr(cache.layers[attn.layer_idx], "writable", None) if cache else None
+    writable = getattr(cache.layers[attn.layer_idx], "writable", None)
     if len(packed) != 4 or writable is None:
         return None
     cos, sin = position_embeddings

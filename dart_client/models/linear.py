@@ -134,20 +134,16 @@ def project(
     layers stay the parameters: the checkpoint layout does not change.
     """
 
-    if len(names) == 1 and x.numel() == x.shape[-1] and not _dart_matmul_for(x.dtype):
+    if len(names) == 1 and (
         # One row (a decoding step) without DART's matmul: the plain kernel reads the weight
         # as fast, and its call costs a few microseconds less than oneDNN's (per layer, per
         # token).
-        return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
-    if (
-        len(names) == 1
-        and NATIVE_BF16_GEMM
-        and x.numel() > DECODING_ROWS * x.shape[-1]
-        and _dart_matmul_for(x.dtype)
+        (x.numel() == x.shape[-1] and not _dart_matmul_for(x.dtype))
+        # A prompt's prefill where PyTorch multiplies bf16 natively: its kernel beats the
+        # decoding one on long blocks. The layer's own weight, so no packed copy is made for
+        # it (a layer that decodes through fused_projection never needs its own).
+        or (_prompt_block(x) and _dart_matmul_for(x.dtype))
     ):
-        # A prompt's prefill: PyTorch's kernel beats the decoding one on long blocks where it
-        # multiplies bf16 natively. The layer's own weight, so no packed copy is made for it
-        # (a layer that decodes through fused_projection never needs its own).
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
     weight, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, _stack_and_pack)
@@ -156,13 +152,8 @@ def project(
         packed is not None
         and x.dtype == packed.dtype
         and not (x.requires_grad and torch.is_grad_enabled())
-        # A prompt's prefill: PyTorch's kernel beats the decoding one on long blocks where
-        # it multiplies bf16 natively.
-        and not (
-            isinstance(packed, DartMatmul)
-            and NATIVE_BF16_GEMM
-            and x.numel() > DECODING_ROWS * x.shape[-1]
-        )
+        # A stack's prompt-sized block: PyTorch's kernel (as for one layer above).
+        and not (isinstance(packed, DartMatmul) and _prompt_block(x))
     ):
         return packed(x, bias)
     return F.linear(x, weight, bias)
@@ -195,10 +186,8 @@ def decoding_matrix(
     packed once (:func:`derived_weight`) and stands in for its layers' own copies, which
     decoding then never builds: memory stays as :func:`pack_linear_layers` reported.
     """
-    if not _dart_matmul_for(x.dtype) or (
-        NATIVE_BF16_GEMM and x.numel() > DECODING_ROWS * x.shape[-1]
-    ):
-        return None  # a prompt's prefill where PyTorch's kernel is faster (as in project)
+    if not _dart_matmul_for(x.dtype) or _prompt_block(x):
+        return None
     submodules: dict[str, Any] = module._modules
     layers = [submodules[name] for name in names]
     if not all("_plain_forward" in layer.__dict__ for layer in layers):
@@ -227,6 +216,12 @@ def decoding_matrix(
         module, "fused-dart", names, build
     )
     return stacked
+
+
+def _prompt_block(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a prompt-sized block (a prefill) on a CPU where PyTorch multiplies
+    bf16 natively: its kernel beats DART's decoding matmul there."""
+    return NATIVE_BF16_GEMM and x.numel() > DECODING_ROWS * x.shape[-1]
 
 
 def _stack_and_pack(

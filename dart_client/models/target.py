@@ -100,11 +100,7 @@ class PreallocatedLayer(DynamicLayer):
             self._k.index_copy_(2, self.slots, key_states)
             self._v.index_copy_(2, self.slots, value_states)
             return self._k, self._v
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(
-                f"target KV cache overflow: {end} positions for a capacity of {self.capacity}"
-            )
+        end = self._end(key_states.shape[-2])
         rows = self.rows
         self._k[:rows, :, self.length : end] = key_states
         self._v[:rows, :, self.length : end] = value_states
@@ -122,12 +118,17 @@ class PreallocatedLayer(DynamicLayer):
         k, v = self._k[: self.rows], self._v[: self.rows]
         if k.shape[0] != batch:
             return None
+        self._end(tokens)
+        return k, v, self.length
+
+    def _end(self, tokens: int) -> int:
+        """The length after appending ``tokens`` positions; an error past the capacity."""
         end = self.length + tokens
         if end > self.capacity:
             raise RuntimeError(
                 f"target KV cache overflow: {end} positions for a capacity of {self.capacity}"
             )
-        return k, v, self.length
+        return end
 
     def get_seq_length(self) -> int:
         return self.length
