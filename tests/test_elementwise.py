@@ -313,3 +313,54 @@ def test_the_native_layer_refuses_weights_and_caches_that_do_not_fit() -> None:
     read_only.flags.writeable = False
     with pytest.raises(_native.KernelError, match="keys cannot be written"):
         _native.decoder_layer(**{**args, "keys": read_only})
+
+
+def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:
+    """The one-call layer reuses what it hands the kernel per layer (``_LayerPlan``) only
+    while the layer is as it was: a weight updated in place, a norm weight replaced or
+    another CPU matmul chosen is seen at the next forward."""
+    from dart_client.decoding.verify import Tree, verify_trees
+    from dart_client.models.linear import set_cpu_matmul
+
+    target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=8))
+    if target.replaced_attention is None:
+        pytest.skip("the CPU decoding kernels are off on this machine")
+    whole = elementwise._native_layer
+    calls: list[bool] = []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
+        out = whole(*args, **kwargs)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    def verify(native: bool) -> torch.Tensor:
+        elementwise._native_layer = counted if native else lambda *a, **k: None
+        try:
+            cache = target.new_cache(40, 1)
+            alone = target.new_cache(40)
+            ids = torch.arange(9)[None] * 7 % 300
+            target.forward(ids, torch.arange(9)[None], alone, taps=False)
+            cache.put_row(0, alone)
+            return verify_trees(target, cache, [Tree.build([5, 9, 17], [-1, 0, 0])], taps=False)[0]
+        finally:
+            elementwise._native_layer = whole
+
+    before = verify(native=True)
+    layer = target.model.model.layers[1]
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.mul_(1.5)
+    norm = layer.post_attention_layernorm
+    norm.weight = nn.Parameter(norm.weight.detach() * 0.5)
+    calls.clear()
+    got, want = verify(native=True), verify(native=False)
+    layers = len(target.model.model.layers)
+    assert calls.count(True) == layers  # the updated layer still runs in one call
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got.view(torch.int16), before.view(torch.int16))
+    set_cpu_matmul("onednn")
+    try:
+        calls.clear()
+        verify(native=True)
+        assert calls and not any(calls)  # DART's matmul is off: the layers step aside
+    finally:
+        set_cpu_matmul("auto")

@@ -30,15 +30,23 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from dart_client import _native
 from dart_client.models.attention import MAX_QUERIES, mask_bits, small_query_attention
 from dart_client.models.attention import NAME as SMALL_QUERY_ATTENTION
-from dart_client.models.linear import decoding_matrix, fused_projection, hooks_anywhere
+from dart_client.models.linear import (
+    cpu_matmul,
+    decoding_matrix,
+    fused_projection,
+    hooks_anywhere,
+    prompt_block,
+)
 from dart_client.models.native import bf16_bits, from_bits
 
 #: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
@@ -102,6 +110,24 @@ def _rotary_tables(
     if cos.shape[0] != batch:
         cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
     return cos.contiguous(), sin.contiguous()
+
+
+def _rotary_bits(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_rotary_tables` as bf16 bits. Every layer of a forward gets the same tables:
+    the last conversion is kept, keyed by the tensors themselves and their versions."""
+    global _last_rotary
+    key = (cos, sin, cos._version, sin._version, batch)
+    last = _last_rotary
+    if last is not None and last[0][0] is cos and last[0][1] is sin and last[0][2:] == key[2:]:
+        return last[1]
+    tables = _rotary_tables(cos, sin, batch)
+    bits = (bf16_bits(tables[0]), bf16_bits(tables[1]))
+    _last_rotary = (key, bits)
+    return bits
+
+
+#: :func:`_rotary_bits`' last conversion: ((cos, sin, versions, batch), bits).
+_last_rotary: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 def rotary_tokens_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,59 +229,135 @@ def _native_layer(
     """The lean layer's operations in one native call (``_native.decoder_layer``: the same
     kernels in the same order, so the same bits) where every part runs DART's kernels: its
     four matmuls packed for decoding (a decoding step's rows, no biases), a cache that takes
-    the new keys in place (``PreallocatedLayer.writable``), attention that would run DART's
+    the new keys in place (``PreallocatedLayer.writable_bits``), attention that would run DART's
     kernel (no soft-capping, sliding window or position bias). None: the caller runs them
     one by one."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if hidden_states.dim() != 3 or any(
-        kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
+    if (
+        hidden_states.dim() != 3
+        or any(kwargs.get(name) is not None for name in _UNSUPPORTED)
+        or prompt_block(hidden_states)
     ):
         return None
-    matrices = [
-        decoding_matrix(attn, _QKV, hidden_states),
-        decoding_matrix(attn, ("o_proj",), hidden_states),
-        decoding_matrix(mlp, _GATE_UP, hidden_states),
-        decoding_matrix(mlp, ("down_proj",), hidden_states),
-    ]
-    packed = [m[0].packed for m in matrices if m is not None and m[1] is None]
-    writable = getattr(cache.layers[attn.layer_idx], "writable", None)
-    if len(packed) != 4 or writable is None:
+    plan = _layer_plan(layer, hidden_states)
+    if plan is None:
         return None
+    layer_cache = cache.layers[plan.layer_idx]
+    writable = getattr(layer_cache, "writable_bits", None)
     cos, sin = position_embeddings
-    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
-        return None
     batch, tokens = hidden_states.shape[:2]
+    if (
+        writable is None
+        or cos.dtype != torch.bfloat16
+        or sin.dtype != torch.bfloat16
+        or tokens > MAX_QUERIES
+    ):
+        return None
     buffers = writable(batch, tokens)
-    if buffers is None or buffers[0].dtype != torch.bfloat16:
+    if buffers is None:
         return None
     keys, values, start = buffers
+    out = _native.decoder_layer(
+        bf16_bits(hidden_states.contiguous()),
+        *plan.norms,
+        plan.eps,
+        *plan.packed,
+        plan.heads,
+        plan.kv_heads,
+        plan.scale,
+        *_rotary_bits(cos, sin, batch),
+        keys,
+        values,
+        start,
+        None if attention_mask is None else mask_bits(attention_mask, start + tokens),
+        torch.get_num_threads(),
+    )
+    layer_cache.set_length(start + tokens)
+    return from_bits(out)
+
+
+#: Keyword arguments a layer may get that DART's attention kernel does not compute.
+_UNSUPPORTED = ("softcap", "sliding_window", "position_bias")
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What :func:`_native_layer` hands the kernel for one layer, built once and reused
+    while the layer stays as it was built from (the same weight tensors at the same
+    versions, no biases, its linear layers packed, the same CPU matmul chosen): checking
+    that costs a few attribute reads, where building the arguments anew cost a fifth of a
+    decoding step's forward, every layer's Python state cold after the weights stream by."""
+
+    layer_idx: int
+    packed: tuple[Any, Any, Any, Any]
+    norms: tuple[np.ndarray, np.ndarray]
+    eps: float
+    heads: int
+    kv_heads: int
+    scale: float
+    matmul: str
+    #: Per part with parameters: its parameter registry, its weight and that weight's version
+    #: when the plan was built (holding the weight keeps its id from being reused).
+    weights: tuple[tuple[dict[str, Any], torch.Tensor, int], ...]
+    #: The linear parts' attribute dicts (a packed layer's holds ``_plain_forward``).
+    linears: tuple[dict[str, Any], ...]
+
+    def current(self) -> bool:
+        return (
+            self.matmul == cpu_matmul()
+            and all(
+                params.get("weight") is weight
+                and weight._version == version
+                and params.get("bias") is None
+                for params, weight, version in self.weights
+            )
+            and all("_plain_forward" in attrs for attrs in self.linears)
+        )
+
+
+def _layer_plan(layer: nn.Module, x: torch.Tensor) -> _LayerPlan | None:
+    """``layer``'s :class:`_LayerPlan`: the stored one while it is current (and no gradient
+    is wanted), else a new one; None where a part does not run DART's kernels."""
+    grad = torch.is_grad_enabled()
+    plan = layer.__dict__.get(_PLAN)
+    if plan is not None and not grad and plan.current():
+        return plan
+    attn, mlp = layer.self_attn, layer.mlp
+    matrices = [
+        decoding_matrix(attn, _QKV, x),
+        decoding_matrix(attn, ("o_proj",), x),
+        decoding_matrix(mlp, _GATE_UP, x),
+        decoding_matrix(mlp, ("down_proj",), x),
+    ]
+    packed = [m[0].packed for m in matrices if m is not None and m[1] is None]
     head_dim = attn.head_dim
     heads = attn.q_proj.out_features // head_dim
     kv_heads = attn.k_proj.out_features // head_dim
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     eps = float(norm_in.variance_epsilon)
-    if tokens > MAX_QUERIES or heads % kv_heads or float(norm_post.variance_epsilon) != eps:
+    if len(packed) != 4 or heads % kv_heads or float(norm_post.variance_epsilon) != eps:
         return None
-    cos, sin = _rotary_tables(cos, sin, batch)
-    out = _native.decoder_layer(
-        bf16_bits(hidden_states.contiguous()),
-        bf16_bits(norm_in.weight),
-        bf16_bits(norm_post.weight),
-        eps,
-        *packed,
-        heads,
-        kv_heads,
-        float(attn.scaling),
-        bf16_bits(cos),
-        bf16_bits(sin),
-        keys.view(torch.uint16).numpy(),
-        values.view(torch.uint16).numpy(),
-        start,
-        None if attention_mask is None else mask_bits(attention_mask, start + tokens),
-        torch.get_num_threads(),
+    linears = [attn._modules[n] for n in (*_QKV, "o_proj")] + [
+        mlp._modules[n] for n in (*_GATE_UP, "down_proj")
+    ]
+    parts = (norm_in, norm_post, *linears)
+    plan = _LayerPlan(
+        layer_idx=attn.layer_idx,
+        packed=(packed[0], packed[1], packed[2], packed[3]),
+        norms=(bf16_bits(norm_in.weight), bf16_bits(norm_post.weight)),
+        eps=eps,
+        heads=heads,
+        kv_heads=kv_heads,
+        scale=float(attn.scaling),
+        matmul=cpu_matmul(),
+        weights=tuple(
+            (part._parameters, part._parameters["weight"], part._parameters["weight"]._version)
+            for part in parts
+        ),
+        linears=tuple(part.__dict__ for part in linears),
     )
-    cache.layers[attn.layer_idx].set_length(start + tokens)
-    return from_bits(out)
+    if not grad:
+        layer.__dict__[_PLAN] = plan
+    return plan
 
 
 #: The projections a lean layer multiplies together (:func:`fused_projection`).
@@ -267,6 +369,8 @@ _GATE_UP = ("gate_proj", "up_proj")
 #: (the dicts that registering a hook adds to: one truth test each per call).
 _PARTS = "_dart_lean_parts"
 _PART_HOOKS = "_dart_lean_part_hooks"
+#: Set on a lean layer by its first native call: its :class:`_LayerPlan`.
+_PLAN = "_dart_native_plan"
 
 
 def _lean_layer_applies(layer: nn.Module) -> bool:
@@ -383,6 +487,7 @@ def restore(model: nn.Module) -> None:
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_PARTS, None)
             module.__dict__.pop(_PART_HOOKS, None)
+            module.__dict__.pop(_PLAN, None)
     for name, users in list(_rotary_users.items()):
         users.discard(id(model))
         if not users:

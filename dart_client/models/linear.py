@@ -71,6 +71,11 @@ def set_cpu_matmul(kind: CpuMatmul) -> None:
     _cpu_matmul = kind
 
 
+def cpu_matmul() -> CpuMatmul:
+    """The kind :func:`set_cpu_matmul` chose last."""
+    return _cpu_matmul
+
+
 def _dart_matmul_for(dtype: torch.dtype) -> bool:
     return (
         dtype == torch.bfloat16
@@ -142,7 +147,7 @@ def project(
         # A prompt's prefill where PyTorch multiplies bf16 natively: its kernel beats the
         # decoding one on long blocks. The layer's own weight, so no packed copy is made for
         # it (a layer that decodes through fused_projection never needs its own).
-        or (_prompt_block(x) and _dart_matmul_for(x.dtype))
+        or (prompt_block(x) and _dart_matmul_for(x.dtype))
     ):
         return F.linear(x, module._modules[names[0]]._parameters["weight"], bias)
 
@@ -153,7 +158,7 @@ def project(
         and x.dtype == packed.dtype
         and not (x.requires_grad and torch.is_grad_enabled())
         # A stack's prompt-sized block: PyTorch's kernel (as for one layer above).
-        and not (isinstance(packed, DartMatmul) and _prompt_block(x))
+        and not (isinstance(packed, DartMatmul) and prompt_block(x))
     ):
         return packed(x, bias)
     return F.linear(x, weight, bias)
@@ -186,7 +191,7 @@ def decoding_matrix(
     packed once (:func:`derived_weight`) and stands in for its layers' own copies, which
     decoding then never builds: memory stays as :func:`pack_linear_layers` reported.
     """
-    if not _dart_matmul_for(x.dtype) or _prompt_block(x):
+    if not _dart_matmul_for(x.dtype) or prompt_block(x):
         return None
     submodules: dict[str, Any] = module._modules
     layers = [submodules[name] for name in names]
@@ -218,7 +223,7 @@ def decoding_matrix(
     return stacked
 
 
-def _prompt_block(x: torch.Tensor) -> bool:
+def prompt_block(x: torch.Tensor) -> bool:
     """Whether ``x`` is a prompt-sized block (a prefill) on a CPU where PyTorch multiplies
     bf16 natively: its kernel beats DART's decoding matmul there."""
     return NATIVE_BF16_GEMM and x.numel() > DECODING_ROWS * x.shape[-1]

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
@@ -32,6 +33,7 @@ from dart_client.errors import UnsupportedTargetError
 from dart_client.models import elementwise
 from dart_client.models.attention import restore_attention, use_small_query_attention
 from dart_client.models.linear import PackReport, pack_linear_layers, unpack_linear_layers
+from dart_client.models.native import bf16_bits
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class PreallocatedLayer(DynamicLayer):
         self.slots: torch.Tensor | None = None
         #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
         self.rows: int | None = None
+        #: :meth:`writable_bits`' views: (rows, K bits, V bits).
+        self._bits: tuple[int | None, np.ndarray, np.ndarray] | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -87,6 +91,7 @@ class PreallocatedLayer(DynamicLayer):
                 ),
             )
         self._k, self._v = views
+        self._bits = None
         self.is_initialized = True
 
     def update(
@@ -107,19 +112,26 @@ class PreallocatedLayer(DynamicLayer):
         self.length = end
         return self._k[:rows, :, :end], self._v[:rows, :, :end]
 
-    def writable(self, batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def writable_bits(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int] | None:
         """For a kernel that appends ``tokens`` positions of ``batch`` rows itself
-        (``_native.decoder_layer``): the live rows' K and V buffers (full capacity, written
-        in place) and the first position to write; the caller then moves the length with
+        (``_native.decoder_layer``): the live rows' bf16 K and V buffers as uint16 arrays
+        (full capacity, written in place; the views are kept while the live rows stay) and
+        the first position to write; the caller then moves the length with
         :meth:`set_length`. None where :meth:`update` must run (static slots, buffers not
-        allocated yet, another row count); an overflow is the error ``update`` raises."""
+        allocated yet or not bf16, another row count); an overflow is the error ``update``
+        raises."""
         if self.slots is not None or self._k is None or self._v is None:
             return None
-        k, v = self._k[: self.rows], self._v[: self.rows]
-        if k.shape[0] != batch:
+        bits = self._bits
+        if bits is None or bits[0] != self.rows:
+            k, v = self._k[: self.rows], self._v[: self.rows]
+            if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+                return None
+            bits = self._bits = (self.rows, bf16_bits(k), bf16_bits(v))
+        if bits[1].shape[0] != batch:
             return None
         self._end(tokens)
-        return k, v, self.length
+        return bits[1], bits[2], self.length
 
     def _end(self, tokens: int) -> int:
         """The length after appending ``tokens`` positions; an error past the capacity."""
