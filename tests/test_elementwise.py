@@ -317,8 +317,8 @@ def test_the_native_layer_refuses_weights_and_caches_that_do_not_fit() -> None:
 
 def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:
     """The one-call layer reuses what it hands the kernel per layer (``_LayerPlan``) only
-    while the layer is as it was: a weight updated in place, a norm weight replaced or
-    another CPU matmul chosen is seen at the next forward."""
+    while the layer is as it was: a weight updated in place, a norm weight replaced, a
+    weight's data assigned or another CPU matmul chosen is seen at the next forward."""
     from dart_client.decoding.verify import Tree, verify_trees
     from dart_client.models.linear import set_cpu_matmul
 
@@ -351,6 +351,8 @@ def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:
         layer.self_attn.q_proj.weight.mul_(1.5)
     norm = layer.post_attention_layernorm
     norm.weight = nn.Parameter(norm.weight.detach() * 0.5)
+    up = target.model.model.layers[0].mlp.up_proj  # alone in its layer
+    up.weight.data = up.weight.detach() * 0.75  # the same parameter, new storage
     calls.clear()
     got, want = verify(native=True), verify(native=False)
     layers = len(target.model.model.layers)

@@ -295,9 +295,10 @@ class _LayerPlan:
     kv_heads: int
     scale: float
     matmul: str
-    #: Per part with parameters: its parameter registry, its weight and that weight's version
-    #: when the plan was built (holding the weight keeps its id from being reused).
-    weights: tuple[tuple[dict[str, Any], torch.Tensor, int], ...]
+    #: Per part with parameters: its parameter registry, its weight, and that weight's
+    #: version and storage when the plan was built (holding the weight keeps its id from
+    #: being reused; the storage changes where ``weight.data`` is assigned).
+    weights: tuple[tuple[dict[str, Any], torch.Tensor, int, int], ...]
     #: The linear parts' attribute dicts (a packed layer's holds ``_plain_forward``).
     linears: tuple[dict[str, Any], ...]
 
@@ -307,8 +308,9 @@ class _LayerPlan:
             and all(
                 params.get("weight") is weight
                 and weight._version == version
+                and weight.data_ptr() == storage
                 and params.get("bias") is None
-                for params, weight, version in self.weights
+                for params, weight, version, storage in self.weights
             )
             and all("_plain_forward" in attrs for attrs in self.linears)
         )
@@ -350,8 +352,8 @@ def _layer_plan(layer: nn.Module, x: torch.Tensor) -> _LayerPlan | None:
         scale=float(attn.scaling),
         matmul=cpu_matmul(),
         weights=tuple(
-            (part._parameters, part._parameters["weight"], part._parameters["weight"]._version)
-            for part in parts
+            (params, params["weight"], params["weight"]._version, params["weight"].data_ptr())
+            for params in (part._parameters for part in parts)
         ),
         linears=tuple(part.__dict__ for part in linears),
     )
