@@ -3,7 +3,10 @@ transformers' own code, and the switch that installs them on a model."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +19,35 @@ from transformers.models.llama import modeling_llama
 from dart_client import _native
 from dart_client.models import elementwise
 from dart_client.models.target import TargetModel
+
+
+@contextlib.contextmanager
+def one_call_layers(on: bool, calls: list[bool] | None = None) -> Iterator[None]:
+    """The one-call layer on (each kernel call's outcome appended to ``calls``), or off: the
+    layers' kernels called one by one, and no whole-model native forward."""
+    run_plan, native_layer, native_forward = (
+        elementwise._run_plan,
+        elementwise._native_layer,
+        elementwise.native_forward,
+    )
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = run_plan(*args, **kwargs)
+        assert calls is not None
+        calls.append(out is not None)
+        return out
+
+    try:
+        if not on:
+            elementwise._native_layer = lambda *a, **k: None
+            elementwise.native_forward = lambda *a, **k: None
+        elif calls is not None:
+            elementwise._run_plan = counted
+        yield
+    finally:
+        elementwise._run_plan = run_plan
+        elementwise._native_layer = native_layer
+        elementwise.native_forward = native_forward
 
 
 def bf16(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -233,13 +265,6 @@ def test_the_whole_layer_in_one_native_call_gives_the_kernels_bits_on_ragged_row
     if target.replaced_attention is None:
         pytest.skip("the CPU decoding kernels are off on this machine")
     calls: list[bool] = []
-    whole = elementwise._native_layer
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
-        out = whole(*args, **kwargs)  # type: ignore[arg-type]
-        calls.append(out is not None)
-        return out
-
     trees = [
         Tree.build([5, 9, 17], [-1, 0, 0]),
         Tree.build([40, 41, 7, 8], [-1, 0, 1, 1]),
@@ -247,8 +272,7 @@ def test_the_whole_layer_in_one_native_call_gives_the_kernels_bits_on_ragged_row
     ]
 
     def verify(native: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        elementwise._native_layer = counted if native else lambda *a, **k: None
-        try:
+        with one_call_layers(native, calls):
             cache = target.new_cache(40, len(trees))
             for row, length in enumerate((7, 12, 3)):
                 alone = target.new_cache(40)
@@ -258,8 +282,6 @@ def test_the_whole_layer_in_one_native_call_gives_the_kernels_bits_on_ragged_row
             logits, _ = verify_trees(target, cache, trees, taps=False)
             # Every written position (the buffers past them are uninitialised).
             return logits, [torch.cat([layer.keys, layer.values]) for layer in cache.layers]
-        finally:
-            elementwise._native_layer = whole
 
     want, want_cache = verify(native=False)
     got, got_cache = verify(native=True)
@@ -325,25 +347,16 @@ def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:
     target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=8))
     if target.replaced_attention is None:
         pytest.skip("the CPU decoding kernels are off on this machine")
-    whole = elementwise._native_layer
     calls: list[bool] = []
 
-    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
-        out = whole(*args, **kwargs)  # type: ignore[arg-type]
-        calls.append(out is not None)
-        return out
-
     def verify(native: bool) -> torch.Tensor:
-        elementwise._native_layer = counted if native else lambda *a, **k: None
-        try:
+        with one_call_layers(native, calls):
             cache = target.new_cache(40, 1)
             alone = target.new_cache(40)
             ids = torch.arange(9)[None] * 7 % 300
             target.forward(ids, torch.arange(9)[None], alone, taps=False)
             cache.put_row(0, alone)
             return verify_trees(target, cache, [Tree.build([5, 9, 17], [-1, 0, 0])], taps=False)[0]
-        finally:
-            elementwise._native_layer = whole
 
     before = verify(native=True)
     layer = target.model.model.layers[1]
@@ -362,7 +375,69 @@ def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:
     set_cpu_matmul("onednn")
     try:
         calls.clear()
-        verify(native=True)
-        assert calls and not any(calls)  # DART's matmul is off: the layers step aside
+        got, want = verify(native=True), verify(native=False)
+        # DART's matmul is off: the layers step aside (a stale plan would use it).
+        assert not any(calls)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     finally:
         set_cpu_matmul("auto")
+
+
+def test_the_native_forward_gives_the_models_logits_taps_and_cache() -> None:
+    """``native_forward`` (the decoder layers looped without transformers' plumbing) gives
+    the logits, the tapped states and the cache of the model's own forward with the same
+    one-call layers, bit for bit, for a lone sequence and a batch; a hook it does not own
+    sends the forward back to the model (and the hook runs)."""
+    from dart_client.decoding.verify import Tree, verify_tree, verify_trees
+
+    target = TargetModel(make_tiny_target("llama", dtype=torch.bfloat16, seed=3))
+    if target.replaced_attention is None:
+        pytest.skip("the CPU decoding kernels are off on this machine")
+    native_forward = elementwise.native_forward
+    ran: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = native_forward(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    tree = Tree.build([5, 9, 17, 4], [-1, 0, 0, 1])
+
+    def steps(stack: bool) -> list[torch.Tensor]:
+        elementwise.native_forward = recorded if stack else lambda *a, **k: None
+        try:
+            outs = []
+            lone = target.new_cache(60)
+            ids = torch.arange(11)[None] * 5 % 300
+            target.forward(ids, torch.arange(11)[None], lone)
+            batch = target.new_cache(60, 2)
+            batch.put_row(0, lone)
+            batch.put_row(1, lone)
+            for _ in range(3):
+                start = lone.length
+                logits, taps = verify_tree(target, lone, tree)
+                lone.keep(start, [0, 1, 3], torch.device("cpu"))
+                frontier = batch.length
+                blogits, btaps = verify_trees(target, batch, [tree, Tree.build([8], [-1])])
+                assert btaps is not None
+                batch.keep_rows(frontier, [[0, 2], [0]], torch.device("cpu"))
+                outs += [logits, taps, blogits, btaps]
+            outs += [torch.cat([layer.keys, layer.values]) for layer in lone.layers]
+            outs += [torch.cat([layer.keys, layer.values]) for layer in batch.layers]
+            return outs
+        finally:
+            elementwise.native_forward = native_forward
+
+    want = steps(stack=False)
+    got = steps(stack=True)
+    assert ran.count(True) == 6  # every step after the prefill
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    seen: list[int] = []
+    handle = target.layers[1].register_forward_hook(lambda *a: seen.append(1))
+    try:
+        ran.clear()
+        steps(stack=True)
+        assert not any(ran) and seen  # the model's own forward, which runs the hook
+    finally:
+        handle.remove()

@@ -63,6 +63,8 @@ def _llama_sources() -> dict[str, str]:
         "rotary": inspect.getsource(modeling_llama.apply_rotary_pos_emb),
         "layer": inspect.getsource(modeling_llama.LlamaDecoderLayer.forward),
         "attention": inspect.getsource(modeling_llama.LlamaAttention.forward),
+        "model": inspect.getsource(modeling_llama.LlamaModel.forward),
+        "causal_lm": inspect.getsource(modeling_llama.LlamaForCausalLM.forward),
     }
 
 
@@ -241,6 +243,18 @@ def _native_layer(
     plan = _layer_plan(layer, hidden_states)
     if plan is None:
         return None
+    return _run_plan(plan, hidden_states, attention_mask, cache, position_embeddings)
+
+
+def _run_plan(
+    plan: _LayerPlan,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """:func:`_native_layer`'s call with a current plan; None (nothing written) where the
+    cache or the rotary tables do not fit it."""
     layer_cache = cache.layers[plan.layer_idx]
     writable = getattr(layer_cache, "writable_bits", None)
     cos, sin = position_embeddings
@@ -360,6 +374,96 @@ def _layer_plan(layer: nn.Module, x: torch.Tensor) -> _LayerPlan | None:
     if not grad:
         layer.__dict__[_PLAN] = plan
     return plan
+
+
+def native_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Any,
+    logits_to_keep: int,
+    taps: dict[int, tuple[int, ...]] | None,
+    tapped: dict[int, torch.Tensor],
+    own_hooks: frozenset[int],
+) -> torch.Tensor | None:
+    """``LlamaForCausalLM.forward`` for a decoding step on the CPU without transformers'
+    per-layer plumbing: the embedding, mask, rotary tables, each decoder layer's one native
+    call (its :class:`_LayerPlan`), final norm and output projection, the same modules and
+    kernels in the same order, so the same logits bit for bit. A layer whose plan is not
+    current runs as a module call, as transformers would call it. Returns the logits, with
+    each tapped layer's input (``taps``: layer index -> slots) put in ``tapped``; None, with
+    nothing run, where it does not apply: another model code, a hook anywhere but
+    ``own_hooks`` (pre-hooks on decoder layers), a layer never run in one call yet (its plan
+    is built on the model's own path), a cache not allocated yet, a prompt-sized block."""
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if (
+        decoder is None
+        or not isinstance(layers, nn.ModuleList)
+        or not _same_source(type(model).forward, "causal_lm")
+        or not _same_source(type(decoder).forward, "model")
+        or len(layers) != decoder.config.num_hidden_layers
+        or model.training
+        or torch.is_grad_enabled()
+        or input_ids.device.type != "cpu"
+        or input_ids.shape[1] > MAX_QUERIES
+        or hooks_anywhere()
+        # A prefill allocates the cache on the model's own path.
+        or not all(getattr(layer, "is_initialized", False) for layer in cache.layers)
+    ):
+        return None
+    plans: list[_LayerPlan | None] = []
+    for layer in layers:
+        attrs = layer.__dict__
+        if (
+            _PLAN not in attrs
+            or layer._forward_hooks
+            or any(attrs[_PART_HOOKS])
+            or not own_hooks.issuperset(layer._forward_pre_hooks)
+        ):
+            return None
+        plan = attrs[_PLAN]
+        plans.append(plan if plan.current() else None)
+    modules = (model, decoder, decoder.embed_tokens, decoder.rotary_emb, decoder.norm)
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (*modules, model.lm_head)):
+        return None
+    if layers[0].self_attn.config._attn_implementation != SMALL_QUERY_ATTENTION:
+        return None
+    modeling = sys.modules[type(decoder).__module__]
+    hidden_states = decoder.embed_tokens(input_ids)
+    if hidden_states.dtype != torch.bfloat16 or prompt_block(hidden_states):
+        return None
+    mask = modeling.create_causal_mask(
+        config=decoder.config,
+        inputs_embeds=hidden_states,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = decoder.rotary_emb(hidden_states, position_ids=position_ids)
+    for index, (layer, plan) in enumerate(zip(layers, plans, strict=True)):
+        if taps is not None and index in taps:
+            for slot in taps[index]:
+                tapped[slot] = hidden_states
+        out = None
+        if plan is not None:
+            out = _run_plan(plan, hidden_states, mask, cache, position_embeddings)
+        if out is None:
+            out = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        hidden_states = out
+    hidden_states = decoder.norm(hidden_states)
+    logits: torch.Tensor = model.lm_head(
+        modeling.slice_logits_to_keep(hidden_states, logits_to_keep)
+    )
+    return logits
 
 
 #: The projections a lean layer multiplies together (:func:`fused_projection`).

@@ -537,6 +537,13 @@ class TargetModel:
             layers[i].register_forward_pre_hook(self._make_hook(slot), with_kwargs=True)
             for slot, i in enumerate(self.tap_layers)
         ]
+        #: What :func:`~dart_client.models.elementwise.native_forward` needs of the taps:
+        #: layer index -> slot, and the hooks that are ours.
+        self._tap_slots = {
+            layer: tuple(s for s, tapped in enumerate(self.tap_layers) if tapped == layer)
+            for layer in self.tap_layers
+        }
+        self._hook_ids = frozenset(handle.id for handle in self._hooks)
         self.eos_token_ids = self._eos_ids()
         self.packing = PackReport(0, 0, "not requested")
         #: The attention implementation the model had before :func:`use_small_query_attention`
@@ -679,21 +686,35 @@ class TargetModel:
         self._taps.clear()
         self._capture = taps
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                use_cache=True,
-                **{self._cache_keyword: cache},
-                logits_to_keep=logits_to_keep,
-            )
+            logits = None
+            if self.native_elementwise:
+                logits = elementwise.native_forward(
+                    self.model,
+                    input_ids,
+                    position_ids,
+                    mask,
+                    cache,
+                    logits_to_keep,
+                    self._tap_slots if taps else None,
+                    self._taps,
+                    self._hook_ids,
+                )
+            if logits is None:
+                logits = self.model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=mask,
+                    use_cache=True,
+                    **{self._cache_keyword: cache},
+                    logits_to_keep=logits_to_keep,
+                ).logits
         finally:
             self._capture = False
         tapped = None
         if taps:
             tapped = torch.cat([self._taps[0], self._taps[1], self._taps[2]], dim=-1)
             self._taps.clear()
-        return out.logits, tapped
+        return logits, tapped
 
 
 def attention_mask(
