@@ -2,12 +2,13 @@
 switched off and on in turn, forward by forward, so a busy machine slows both alike. Per shape:
 the median forward each way (ms of this thread's CPU time) and the median of the pairs' ratios.
 
-    python bench/elementwise_ab.py [--switch elementwise|whole-layer] [--shapes 1x1 1x12 4x1 4x5]
-        [--context 256] [--pairs 15]
+    python bench/elementwise_ab.py [--switch elementwise|whole-layer|native-forward]
+        [--shapes 1x1 1x12 4x1 4x5] [--context 256] [--pairs 15]
 
 ``elementwise``: the native norms, rotary embedding and SiLU product against transformers' ops.
 ``whole-layer``: a decoder layer in one native call (``_native.decoder_layer``) against the
-same kernels called one by one from Python.
+same kernels called one by one from Python. ``native-forward``: a decoding step's layers looped
+by ``elementwise.native_forward`` against transformers' model forward calling them.
 
 The embedded SmolLM2-135M in bf16, 1 thread (figures: docs/performance-notes.md).
 """
@@ -32,7 +33,9 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["1x1", "1x12", "4x1", "4x5"])
     p.add_argument("--context", type=int, default=256, help="cached tokens of every row")
     p.add_argument("--pairs", type=int, default=15, help="forwards each way per shape")
-    p.add_argument("--switch", choices=["elementwise", "whole-layer"], default="elementwise")
+    p.add_argument(
+        "--switch", choices=["elementwise", "whole-layer", "native-forward"], default="elementwise"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     model = build_model(None, "auto", "embedded", dtype="bf16", device="cpu", notes=[])
@@ -41,15 +44,17 @@ def main() -> None:
         raise SystemExit("the native element-wise kernels are off here (not a CPU bf16 target)")
     rng = np.random.default_rng(1)
     prefilled = _prefilled(model, args.context, 0)[0]
-    whole_layer = elementwise._native_layer
-    off, on = (
-        ("transformers' ops", "native")
-        if args.switch == "elementwise"
-        else ("kernels one by one", "one call per layer")
-    )
+    whole_layer, native_forward = elementwise._native_layer, elementwise.native_forward
+    off, on = {
+        "elementwise": ("transformers' ops", "native"),
+        "whole-layer": ("kernels one by one", "one call per layer"),
+        "native-forward": ("transformers' layer loop", "native_forward"),
+    }[args.switch]
 
     def switch(native: bool) -> None:
-        if args.switch == "whole-layer":
+        if args.switch == "native-forward":
+            elementwise.native_forward = native_forward if native else lambda *a, **k: None
+        elif args.switch == "whole-layer":
             elementwise._native_layer = whole_layer if native else lambda *a, **k: None
         elif native:
             elementwise.use_native_elementwise(target.model)
