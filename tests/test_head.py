@@ -469,3 +469,81 @@ def test_rope_table_rows_are_the_rotary_embedding(target: Any) -> None:
         cos, sin = head.rope(start, n, like)
         want = head.rotary(like, torch.arange(start, start + n).unsqueeze(0))
         assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+
+
+def test_the_native_head_layer_gives_a_batch_row_its_bits_alone(
+    tmp_path: Path, target: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On DART's CPU kernels a draft step's layer is one native call: each query from its
+    own keys, so a batched draft row has the bits of the same sequence drafted alone (over
+    two steps, the second after rows kept different numbers of positions), and the draft's
+    logits are PyTorch's layer's up to bf16 rounding."""
+    import dart_client.models.head as head_module
+    from dart_client.decoding.draft import draft_rows, draft_rows_batch
+    from dart_client.models.native import SIMD_KERNELS
+
+    if not (SIMD_KERNELS and cpu_packing_available(torch.bfloat16)):
+        pytest.skip("DART's bf16 CPU kernels do not run here")
+    head = bf16_head(target, tmp_path)
+    native = head_module._native_head_layer
+    used: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = native(*args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(head_module, "_native_head_layer", counted)
+    g = torch.Generator().manual_seed(5)
+    lengths = (5, 9)
+    taps = [torch.randn(n + 3, 3 * H, generator=g).to(torch.bfloat16) for n in lengths]
+    ids = [torch.randint(0, target.config.vocab_size, (n + 3,), generator=g) for n in lengths]
+    steps = [(0, 1), (1, 3)]  # positions (from, to) each step adds after the prompt
+
+    def prefilled(b: int) -> Any:
+        # In two chunks: the second runs natively (the cache is allocated by then).
+        cache = head.new_cache(40)
+        n = lengths[b]
+        head(taps[b][None, :2], ids[b][None, 1:3], cache, num_masks=0)
+        head(taps[b][None, 2 : n - 1], ids[b][None, 3:n], cache, num_masks=0)
+        return cache
+
+    with torch.no_grad():
+        alone = []
+        for b in range(2):
+            cache = prefilled(b)
+            rows = []
+            for lo, hi in steps:
+                n = lengths[b]
+                rows.append(draft_rows(head, cache, taps[b][None, n - 1 + lo : n - 1 + hi],
+                                       ids[b][None, n + lo : n + hi], 4))  # fmt: skip
+            alone.append(rows)
+        batch = head.new_cache(40, 2)
+        for b in range(2):
+            batch.put_row(b, prefilled(b))
+        together = []
+        for lo, hi in steps:
+            together.append(draft_rows_batch(
+                head, batch,
+                [taps[b][lengths[b] - 1 + lo : lengths[b] - 1 + hi] for b in range(2)],
+                [ids[b][lengths[b] + lo : lengths[b] + hi].tolist() for b in range(2)],
+                4,
+            ))  # fmt: skip
+    # Every draft step, lone and batched, and each prompt's second chunk (twice: alone and
+    # put in the batch).
+    assert used.count(True) == 2 * len(steps) + len(steps) + 4
+    for b in range(2):
+        for step in range(len(steps)):
+            assert (together[step][b].ids == alone[b][step].ids).all()
+            assert (together[step][b].probs == alone[b][step].probs).all()
+    # Against PyTorch's layer (the native call switched off), the same step alone.
+    with torch.no_grad():
+        monkeypatch.setattr(head_module, "_native_head_layer", lambda *a, **k: None)
+        cache = prefilled(1)
+        n = lengths[1]
+        want = head(taps[1][None, n - 1 : n], ids[1][None, n : n + 1], cache)
+        monkeypatch.setattr(head_module, "_native_head_layer", native)
+        cache = prefilled(1)
+        got = head(taps[1][None, n - 1 : n], ids[1][None, n : n + 1], cache)
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.03 * scale)

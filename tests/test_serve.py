@@ -462,6 +462,9 @@ def wait_for(predicate: Any, seconds: float = 30) -> None:
 
 
 def test_full_queue_is_429_and_a_disconnect_cancels(small: Server) -> None:
+    # Counters are the server's (module-scoped, shared with the tests pytest-xdist runs on
+    # the same worker, in any order): each test checks what it adds.
+    closed = small.metric("dart_serve_abandoned_total", reason="client_closed")
     running = long_stream(small)
     first = next(iter(running))  # the long request holds the worker
     assert first.choices[0].text is not None
@@ -487,7 +490,9 @@ def test_full_queue_is_429_and_a_disconnect_cancels(small: Server) -> None:
     t.join(30)
     assert queued["resp"].usage.completion_tokens == 4
     assert time.monotonic() - start < 8
-    wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 1)
+    wait_for(
+        lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == closed + 1
+    )
 
 
 def test_a_non_streamed_request_is_dropped_when_its_client_leaves(small: Server) -> None:
@@ -498,13 +503,19 @@ def test_a_non_streamed_request_is_dropped_when_its_client_leaves(small: Server)
         "temperature": 0,
         "speculative": False,
     }
+    closed = small.metric("dart_serve_abandoned_total", reason="client_closed")
+    dropped = small.metric("dart_serve_requests_total", status="499")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(small.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
-    wait_for(lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == 2, 10)
-    assert small.metric("dart_serve_requests_total", status="499") == 1
+    wait_for(
+        lambda: small.metric("dart_serve_abandoned_total", reason="client_closed") == closed + 1,
+        10,
+    )
+    assert small.metric("dart_serve_requests_total", status="499") == dropped + 1
 
 
 def test_timeout_is_a_504_and_the_worker_moves_on(small: Server) -> None:
+    timeouts = small.metric("dart_serve_abandoned_total", reason="timeout")
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError) as err:
         small.client(api_key="x").completions.create(
@@ -520,7 +531,7 @@ def test_timeout_is_a_504_and_the_worker_moves_on(small: Server) -> None:
         model="dart-smollm2-135m-instruct", prompt="Hello", max_tokens=2, temperature=0
     )
     assert resp.usage.completion_tokens == 2
-    assert small.metric("dart_serve_abandoned_total", reason="timeout") == 1
+    assert small.metric("dart_serve_abandoned_total", reason="timeout") == timeouts + 1
 
 
 def test_sigterm_finishes_in_flight_and_ends_the_rest_with_503(small: Server) -> None:

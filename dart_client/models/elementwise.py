@@ -114,7 +114,7 @@ def _rotary_tables(
     return cos.contiguous(), sin.contiguous()
 
 
-def _rotary_bits(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def rotary_bits(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_rotary_tables` as bf16 bits. Every layer of a forward gets the same tables:
     the last conversion is kept, keyed by the tensors themselves and their versions."""
     global _last_rotary
@@ -128,7 +128,7 @@ def _rotary_bits(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[np.n
     return bits
 
 
-#: :func:`_rotary_bits`' last conversion: ((cos, sin, versions, batch), bits).
+#: :func:`rotary_bits`' last conversion: ((cos, sin, versions, batch), bits).
 _last_rotary: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] | None = None
 
 
@@ -278,7 +278,7 @@ def _run_plan(
         plan.heads,
         plan.kv_heads,
         plan.scale,
-        *_rotary_bits(cos, sin, batch),
+        *rotary_bits(cos, sin, batch),
         keys,
         values,
         start,

@@ -34,8 +34,18 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from dart_client import _native
 from dart_client.errors import CheckpointError, IncompatibleHeadError
-from dart_client.models.linear import derived_weight, project
+from dart_client.models.attention import MAX_QUERIES, mask_bits
+from dart_client.models.elementwise import rotary_bits
+from dart_client.models.linear import (
+    derived_weight,
+    hooks_anywhere,
+    project,
+    projection_matrix,
+    prompt_block,
+)
+from dart_client.models.native import bf16_bits, from_bits
 from dart_client.models.target import RaggedRows, compact_rows, copy_row
 
 CONFIG_NAME = "config.json"
@@ -331,6 +341,7 @@ class HeadLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.config_act = config.hidden_act
 
     def forward(
         self,
@@ -352,10 +363,86 @@ class HeadLayer(nn.Module):
             x = torch.cat((x, mask_in), dim=1)
             mask_res = mask_in[..., : self.hidden_size]
             residual = torch.cat((residual, mask_res), dim=1)
+        native = _native_head_layer(self, x, residual, cos_sin, cache, mask)
+        if native is not None:
+            return native[:, -(num_masks + 1) :]
         h = residual + self.self_attn(x, cos_sin, cache, mask)
         # Only the last real position and the mask slots produce draft rows.
         h = h[:, -(num_masks + 1) :]
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _native_head_layer(
+    layer: HeadLayer,
+    normed: torch.Tensor,
+    residual: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache: HeadCache | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The layer after its input norm as one native call (``_native.decoder_layer`` with
+    ``normed``: q/k/v over the 2H-wide input, the attention's output added to ``residual``,
+    then the MLP, every row), where it runs on DART's CPU kernels: bf16 on the CPU, no
+    gradient, a decoding step's rows, packed weights, a SiLU MLP, a preallocated cache with
+    room (written in place, its length moved as :meth:`HeadCache.append` would). The draft's
+    bits differ from PyTorch's attention in the last places (each query on its own, in f32),
+    not the outputs, which verification decides. None: the caller runs the modules."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    batch, tokens = normed.shape[:2]
+    if (
+        cache is None
+        or cache.slots is not None
+        or cache._k is None
+        or cache._v is None
+        or cache.length + tokens > cache.capacity
+        or tokens > MAX_QUERIES
+        or normed.dtype != torch.bfloat16
+        or normed.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or layer.config_act != "silu"
+        or prompt_block(normed)
+        or hooks_anywhere()
+        # Modules the PyTorch path calls as modules: their hooks must see the call.
+        or any(m._forward_hooks or m._forward_pre_hooks for m in (attn, mlp, norm))
+    ):
+        return None
+    packed = [
+        matrix
+        for matrix in (
+            projection_matrix(attn, HeadAttention.QKV, normed),
+            projection_matrix(attn, ("o_proj",), residual),
+            projection_matrix(mlp, HeadMLP.GATE_UP, residual),
+            projection_matrix(mlp, ("down_proj",), residual),
+        )
+        if matrix is not None
+    ]
+    keys, values = cache._k[: cache._live], cache._v[: cache._live]
+    if len(packed) != 4 or keys.shape[0] != batch or keys.dtype != torch.bfloat16:
+        return None
+    if mask is not None and mask.shape[-2] != tokens:
+        # DartHead.forward's causal mask, its rows repeated per query head of a group (the
+        # grouped-query trick of the PyTorch path): the kernel's own causal order.
+        mask = None
+    start = cache.length
+    out = _native.decoder_layer(
+        bf16_bits(residual.contiguous()),
+        bf16_bits(norm.weight),  # not read: the input is normed
+        bf16_bits(norm.weight),
+        float(norm.eps),
+        *packed,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim**-0.5,
+        *rotary_bits(*cos_sin, batch),
+        bf16_bits(keys),
+        bf16_bits(values),
+        start,
+        None if mask is None else mask_bits(mask, start + tokens),
+        torch.get_num_threads(),
+        bf16_bits(normed.contiguous()),
+    )
+    cache.length = start + tokens
+    return from_bits(out)
 
 
 def _stack(weights: list[torch.Tensor], live: bool) -> torch.Tensor:

@@ -164,6 +164,16 @@ def project(
     return F.linear(x, weight, bias)
 
 
+def projection_matrix(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> Any:
+    """The DART-packed matrix (a ``_native.PackedMatrix``) that :func:`project` multiplies
+    ``x`` by for ``module``'s layers ``names`` (the same cached copy), for a caller that
+    runs the kernel itself; None where :func:`project` would not use DART's matmul."""
+    if not _dart_matmul_for(x.dtype) or prompt_block(x) or torch.is_grad_enabled():
+        return None
+    _, packed = derived_weight(module, f"linear-{_cpu_matmul}", names, _stack_and_pack)
+    return packed.packed if isinstance(packed, DartMatmul) else None
+
+
 def fused_projection(
     module: nn.Module, names: tuple[str, ...], x: torch.Tensor
 ) -> torch.Tensor | None:

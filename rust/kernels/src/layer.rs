@@ -92,10 +92,44 @@ impl DecoderLayer<'_> {
         threads: usize,
     ) -> Result<()> {
         let width = self.input_norm.len();
+        check_len("hidden", hidden.len(), batch * tokens * width)?;
+        if self.qkv.in_features() != width {
+            return Err(self.shape_error("qkv"));
+        }
+        let mut normed = vec![0u16; batch * tokens * width];
+        rms_norm(hidden, self.input_norm, self.eps, &mut normed)?;
+        self.forward_normed(
+            &normed, hidden, batch, tokens, cos, sin, keys, values, start, mask, out, threads,
+        )
+    }
+
+    /// [`Self::forward`] after the input norm, which the caller applied: `normed` `(batch,
+    /// tokens, q/k/v inputs)` is what q, k and v multiply, `residual` `(batch, tokens,
+    /// hidden)` what the attention's output is added to (for a decoder layer, its input;
+    /// a DART draft head's layer attends over a wider input, its two halves normed apart,
+    /// and adds to one of them). `input_norm` is not read.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_normed(
+        &self,
+        normed: &[u16],
+        residual: &[u16],
+        batch: usize,
+        tokens: usize,
+        cos: &[u16],
+        sin: &[u16],
+        keys: &mut CacheMut<'_>,
+        values: &mut CacheMut<'_>,
+        start: usize,
+        mask: Option<&View4<'_>>,
+        out: &mut [u16],
+        threads: usize,
+    ) -> Result<()> {
+        let width = self.o.out_features();
         let (heads, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let rows = batch * tokens;
         self.check(width)?;
-        check_len("hidden", hidden.len(), rows * width)?;
+        check_len("normed", normed.len(), rows * self.qkv.in_features())?;
+        check_len("residual", residual.len(), rows * width)?;
         check_len("out", out.len(), rows * width)?;
         check_len("cos", cos.len(), rows * d)?;
         check_len("sin", sin.len(), rows * d)?;
@@ -111,12 +145,10 @@ impl DecoderLayer<'_> {
             }
         }
 
-        // Attention block: norm, q/k/v, rotary, cache, attention, o, residual.
-        let mut normed = vec![0u16; rows * width];
-        rms_norm(hidden, self.input_norm, self.eps, &mut normed)?;
+        // Attention block: q/k/v, rotary, cache, attention, o, residual.
         let qkv_width = self.qkv.out_features();
         let mut qkv = vec![0u16; rows * qkv_width];
-        self.qkv.matmul(&normed, rows, None, &mut qkv, threads)?;
+        self.qkv.matmul(normed, rows, None, &mut qkv, threads)?;
         let mut queries = vec![0u16; rows * heads * d];
         let mut rotated_keys = vec![0u16; kv * d];
         for t in 0..rows {
@@ -164,11 +196,17 @@ impl DecoderLayer<'_> {
         let mut projected = vec![0u16; rows * width];
         self.o
             .matmul(&attended, rows, None, &mut projected, threads)?;
-        let mut residual = vec![0u16; rows * width];
-        add(hidden, &projected, &mut residual);
+        let mut attended_sum = vec![0u16; rows * width];
+        add(residual, &projected, &mut attended_sum);
 
         // MLP block: norm, gate/up, SiLU product, down, residual.
-        rms_norm(&residual, self.post_attention_norm, self.eps, &mut normed)?;
+        let mut normed = vec![0u16; rows * width];
+        rms_norm(
+            &attended_sum,
+            self.post_attention_norm,
+            self.eps,
+            &mut normed,
+        )?;
         let inner = self.down.in_features();
         let mut gate_up = vec![0u16; rows * 2 * inner];
         self.gate_up
@@ -183,11 +221,29 @@ impl DecoderLayer<'_> {
         }
         self.down
             .matmul(&product, rows, None, &mut projected, threads)?;
-        add(&residual, &projected, out);
+        add(&attended_sum, &projected, out);
         Ok(())
     }
 
-    /// The weights' shapes against each other and the hidden width.
+    fn shape_error(&self, what: &'static str) -> KernelError {
+        KernelError::Shape {
+            what,
+            shape: vec![
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                self.o.out_features(),
+                self.down.in_features(),
+            ],
+            expected: "a Llama layer: (heads + 2 kv_heads) x head_dim q/k/v outputs, \
+                       heads x head_dim o inputs, 2 x intermediate gate/up outputs, \
+                       kv_heads dividing heads (shape: heads, kv_heads, head_dim, hidden, \
+                       intermediate)",
+        }
+    }
+
+    /// The weights' shapes against each other and the hidden width (q/k/v's inputs may be
+    /// wider: [`Self::forward_normed`]).
     fn check(&self, width: usize) -> Result<()> {
         let (heads, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let inner = self.down.in_features();
@@ -197,14 +253,8 @@ impl DecoderLayer<'_> {
                 self.post_attention_norm.len() == width,
             ),
             ("heads", kv > 0 && d > 0 && heads % kv == 0),
-            (
-                "qkv",
-                self.qkv.in_features() == width && self.qkv.out_features() == (heads + 2 * kv) * d,
-            ),
-            (
-                "o",
-                self.o.in_features() == heads * d && self.o.out_features() == width,
-            ),
+            ("qkv", self.qkv.out_features() == (heads + 2 * kv) * d),
+            ("o", self.o.in_features() == heads * d),
             (
                 "gate_up",
                 self.gate_up.in_features() == width && self.gate_up.out_features() == 2 * inner,
@@ -212,14 +262,7 @@ impl DecoderLayer<'_> {
             ("down", self.down.out_features() == width),
         ];
         match fits.iter().find(|(_, ok)| !ok) {
-            Some(&(what, _)) => Err(KernelError::Shape {
-                what,
-                shape: vec![heads, kv, d, width, inner],
-                expected: "a Llama layer: (heads + 2 kv_heads) x head_dim q/k/v outputs, \
-                           heads x head_dim o inputs, 2 x intermediate gate/up outputs, \
-                           kv_heads dividing heads (shape: heads, kv_heads, head_dim, hidden, \
-                           intermediate)",
-            }),
+            Some(&(what, _)) => Err(self.shape_error(what)),
             None => Ok(()),
         }
     }
@@ -262,17 +305,37 @@ mod tests {
         capacity: usize,
         start: usize,
     ) -> Vec<u16> {
-        let (h, kv, d) = (layer.heads, layer.kv_heads, layer.head_dim);
-        let width = layer.input_norm.len();
-        let rows = batch * tokens;
-        let mut normed = vec![0; rows * width];
+        let mut normed = vec![0; hidden.len()];
         rms_norm(hidden, layer.input_norm, layer.eps, &mut normed).unwrap();
+        step_by_step_normed(
+            layer, &normed, hidden, batch, tokens, cos, sin, cache, capacity, start,
+        )
+    }
+
+    /// [`step_by_step`] after the input norm (`normed`, added to `residual`).
+    #[allow(clippy::too_many_arguments)]
+    fn step_by_step_normed(
+        layer: &DecoderLayer<'_>,
+        normed: &[u16],
+        hidden: &[u16],
+        batch: usize,
+        tokens: usize,
+        cos: &[u16],
+        sin: &[u16],
+        cache: (&mut [u16], &mut [u16]),
+        capacity: usize,
+        start: usize,
+    ) -> Vec<u16> {
+        let (h, kv, d) = (layer.heads, layer.kv_heads, layer.head_dim);
+        let width = layer.o.out_features();
+        let rows = batch * tokens;
+        let mut normed_mlp = vec![0; rows * width];
         let mut q = vec![0; rows * h * d];
         let mut k = vec![0; rows * kv * d];
         let mut v = vec![0; rows * kv * d];
         let qkv = layer.qkv.out_features();
         let mut all = vec![0; rows * qkv];
-        layer.qkv.matmul(&normed, rows, None, &mut all, 1).unwrap();
+        layer.qkv.matmul(normed, rows, None, &mut all, 1).unwrap();
         for t in 0..rows {
             let row = &all[t * qkv..(t + 1) * qkv];
             q[t * h * d..(t + 1) * h * d].copy_from_slice(&row[..h * d]);
@@ -311,12 +374,18 @@ mod tests {
         layer.o.matmul(&attended, rows, None, &mut o, 1).unwrap();
         let mut residual = vec![0; rows * width];
         add(hidden, &o, &mut residual);
-        rms_norm(&residual, layer.post_attention_norm, layer.eps, &mut normed).unwrap();
+        rms_norm(
+            &residual,
+            layer.post_attention_norm,
+            layer.eps,
+            &mut normed_mlp,
+        )
+        .unwrap();
         let inner = layer.down.in_features();
         let mut gu = vec![0; rows * 2 * inner];
         layer
             .gate_up
-            .matmul(&normed, rows, None, &mut gu, 1)
+            .matmul(&normed_mlp, rows, None, &mut gu, 1)
             .unwrap();
         let (mut gate, mut up) = (Vec::new(), Vec::new());
         for row in gu.chunks_exact(2 * inner) {
@@ -397,5 +466,82 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("cache"), "{err}");
+    }
+
+    /// A draft head's layer: q/k/v read a wider input the caller normed, the attention's
+    /// output is added to another (narrower) one.
+    #[test]
+    fn a_layer_after_its_input_norm_takes_a_wider_input() {
+        let (width, heads, kv, d, inner) = (32, 2, 1, 16, 48);
+        let pack =
+            |n: usize, k: usize, seed: u64| PackedMatrix::pack(&values(n * k, seed), n, k).unwrap();
+        let (qkv, o) = (
+            pack((heads + 2 * kv) * d, 2 * width, 11),
+            pack(width, heads * d, 12),
+        );
+        let (gate_up, down) = (pack(2 * inner, width, 13), pack(width, inner, 14));
+        let post_norm = values(width, 15);
+        let layer = DecoderLayer {
+            input_norm: &[],
+            post_attention_norm: &post_norm,
+            eps: 1e-5,
+            qkv: &qkv,
+            o: &o,
+            gate_up: &gate_up,
+            down: &down,
+            heads,
+            kv_heads: kv,
+            head_dim: d,
+            scale: 0.25,
+        };
+        let (batch, tokens, start, capacity) = (2, 4, 3, 9);
+        let normed = values(batch * tokens * 2 * width, 16);
+        let residual = values(batch * tokens * width, 17);
+        let (cos, sin) = (
+            values(batch * tokens * d, 18),
+            values(batch * tokens * d, 19),
+        );
+        let cached = values(batch * kv * capacity * d, 20);
+        let (mut k1, mut v1) = (cached.clone(), cached.clone());
+        let want = step_by_step_normed(
+            &layer,
+            &normed,
+            &residual,
+            batch,
+            tokens,
+            &cos,
+            &sin,
+            (&mut k1, &mut v1),
+            capacity,
+            start,
+        );
+        let (mut k2, mut v2) = (cached.clone(), cached);
+        let strides = [kv * capacity * d, capacity * d, d, 1];
+        let shape = [batch, kv, capacity, d];
+        let mut keys = CacheMut::new("keys", &mut k2, shape, strides).unwrap();
+        let mut vals = CacheMut::new("values", &mut v2, shape, strides).unwrap();
+        let mut got = vec![0; residual.len()];
+        layer
+            .forward_normed(
+                &normed, &residual, batch, tokens, &cos, &sin, &mut keys, &mut vals, start, None,
+                &mut got, 1,
+            )
+            .unwrap();
+        assert_eq!(got, want);
+        drop((keys, vals));
+        assert_eq!((&k2, &v2), (&k1, &v1));
+        // The plain forward takes only inputs as wide as its norm.
+        let mut keys = CacheMut::new("keys", &mut k2, shape, strides).unwrap();
+        let mut vals = CacheMut::new("values", &mut v2, shape, strides).unwrap();
+        let err = layer
+            .forward(
+                &residual, batch, tokens, &cos, &sin, &mut keys, &mut vals, start, None, &mut got,
+                1,
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("qkv") || err.to_string().contains("hidden"),
+            "{err}"
+        );
     }
 }

@@ -269,10 +269,13 @@ fn cache_mut<'a>(
 /// `values` `(batch, kv_heads, capacity, head_dim)` (written in place), and the queries see
 /// their first `start + tokens` positions through `mask` (as `tree_attention` takes it) or
 /// causally. Returns the layer's output `(batch, tokens, hidden)`. All uint16 bf16 bits.
+/// With `normed` `(batch, tokens, q/k/v inputs)`, the caller applied the input norm: q/k/v
+/// multiply `normed` and the attention's output is added to `hidden`
+/// (`DecoderLayer::forward_normed`, a DART draft head's layer; `input_norm` is not read).
 #[pyfunction]
 #[pyo3(signature = (
     hidden, input_norm, post_attention_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
-    scale, cos, sin, keys, values, start, mask=None, threads=1
+    scale, cos, sin, keys, values, start, mask=None, threads=1, normed=None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_layer<'py>(
@@ -295,6 +298,7 @@ fn decoder_layer<'py>(
     start: usize,
     mask: Option<PyReadonlyArray4<'py, u16>>,
     threads: usize,
+    normed: Option<PyReadonlyArray3<'py, u16>>,
 ) -> PyResult<Bound<'py, PyArrayDyn<u16>>> {
     let [batch, tokens, _] = [hidden.shape()[0], hidden.shape()[1], hidden.shape()[2]];
     let [cb, ct, head_dim] = [cos.shape()[0], cos.shape()[1], cos.shape()[2]];
@@ -331,24 +335,29 @@ fn decoder_layer<'py>(
         Some(m) => Some(view4("mask", m)?),
         None => None,
     };
+    let normed = match &normed {
+        Some(n) if n.shape()[..2] != [batch, tokens] => {
+            return Err(KernelError::new_err(format!(
+                "normed has shape {:?}, expected ({batch}, {tokens}, q/k/v inputs)",
+                n.shape()
+            )))
+        }
+        Some(n) => Some(slice(n, "normed")?),
+        None => None,
+    };
     {
         let mut written = writable("out", &out)?;
         let out = out_slice(&mut written)?;
+        let threads = threads.max(1);
+        let (keys, values, mask) = (&mut keys, &mut values, mask.as_ref());
         // A layer takes about a millisecond: other Python threads (a server's) run meanwhile.
-        py.detach(|| {
-            layer.forward(
-                x,
-                batch,
-                tokens,
-                cos,
-                sin,
-                &mut keys,
-                &mut values,
-                start,
-                mask.as_ref(),
-                out,
-                threads.max(1),
-            )
+        py.detach(|| match normed {
+            Some(normed) => layer.forward_normed(
+                normed, x, batch, tokens, cos, sin, keys, values, start, mask, out, threads,
+            ),
+            None => layer.forward(
+                x, batch, tokens, cos, sin, keys, values, start, mask, out, threads,
+            ),
         })
         .map_err(to_py_err)?;
     }
