@@ -518,17 +518,18 @@ mod tests {
         let (mut k2, mut v2) = (cached.clone(), cached);
         let strides = [kv * capacity * d, capacity * d, d, 1];
         let shape = [batch, kv, capacity, d];
-        let mut keys = CacheMut::new("keys", &mut k2, shape, strides).unwrap();
-        let mut vals = CacheMut::new("values", &mut v2, shape, strides).unwrap();
         let mut got = vec![0; residual.len()];
-        layer
-            .forward_normed(
-                &normed, &residual, batch, tokens, &cos, &sin, &mut keys, &mut vals, start, None,
-                &mut got, 1,
-            )
-            .unwrap();
+        {
+            let mut keys = CacheMut::new("keys", &mut k2, shape, strides).unwrap();
+            let mut vals = CacheMut::new("values", &mut v2, shape, strides).unwrap();
+            layer
+                .forward_normed(
+                    &normed, &residual, batch, tokens, &cos, &sin, &mut keys, &mut vals, start,
+                    None, &mut got, 1,
+                )
+                .unwrap();
+        }
         assert_eq!(got, want);
-        drop((keys, vals));
         assert_eq!((&k2, &v2), (&k1, &v1));
         // The plain forward takes only inputs as wide as its norm.
         let mut keys = CacheMut::new("keys", &mut k2, shape, strides).unwrap();
