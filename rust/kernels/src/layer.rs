@@ -400,30 +400,57 @@ mod tests {
         out
     }
 
+    /// A layer's weights, deterministic from `seed`: q/k/v take `in_width` inputs.
+    struct Weights {
+        norms: [Vec<u16>; 2],
+        matrices: [PackedMatrix; 4],
+        shape: (usize, usize, usize),
+    }
+
+    impl Weights {
+        fn new(
+            (width, in_width, heads, kv, d, inner): (usize, usize, usize, usize, usize, usize),
+            seed: u64,
+        ) -> Self {
+            let pack = |n: usize, k: usize, s: u64| {
+                PackedMatrix::pack(&values(n * k, seed + s), n, k).unwrap()
+            };
+            Self {
+                norms: [values(width, seed + 5), values(width, seed + 6)],
+                matrices: [
+                    pack((heads + 2 * kv) * d, in_width, 1),
+                    pack(width, heads * d, 2),
+                    pack(2 * inner, width, 3),
+                    pack(width, inner, 4),
+                ],
+                shape: (heads, kv, d),
+            }
+        }
+
+        fn layer(&self) -> DecoderLayer<'_> {
+            let [qkv, o, gate_up, down] = &self.matrices;
+            let (heads, kv_heads, head_dim) = self.shape;
+            DecoderLayer {
+                input_norm: &self.norms[0],
+                post_attention_norm: &self.norms[1],
+                eps: 1e-5,
+                qkv,
+                o,
+                gate_up,
+                down,
+                heads,
+                kv_heads,
+                head_dim,
+                scale: 0.25,
+            }
+        }
+    }
+
     #[test]
     fn the_layer_is_its_kernels_called_one_by_one() {
-        let (width, heads, kv, d, inner) = (64, 4, 2, 16, 96);
-        let pack =
-            |n: usize, k: usize, seed: u64| PackedMatrix::pack(&values(n * k, seed), n, k).unwrap();
-        let (qkv, o) = (
-            pack((heads + 2 * kv) * d, width, 1),
-            pack(width, heads * d, 2),
-        );
-        let (gate_up, down) = (pack(2 * inner, width, 3), pack(width, inner, 4));
-        let (input_norm, post_norm) = (values(width, 5), values(width, 6));
-        let layer = DecoderLayer {
-            input_norm: &input_norm,
-            post_attention_norm: &post_norm,
-            eps: 1e-5,
-            qkv: &qkv,
-            o: &o,
-            gate_up: &gate_up,
-            down: &down,
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            scale: 0.25,
-        };
+        let (width, kv, d) = (64, 2, 16);
+        let weights = Weights::new((width, width, 4, kv, d, 96), 0);
+        let layer = weights.layer();
         let (batch, tokens, start, capacity) = (2, 3, 5, 12);
         let hidden = values(batch * tokens * width, 7);
         let (cos, sin) = (values(batch * tokens * d, 8), values(batch * tokens * d, 9));
@@ -472,28 +499,9 @@ mod tests {
     /// output is added to another (narrower) one.
     #[test]
     fn a_layer_after_its_input_norm_takes_a_wider_input() {
-        let (width, heads, kv, d, inner) = (32, 2, 1, 16, 48);
-        let pack =
-            |n: usize, k: usize, seed: u64| PackedMatrix::pack(&values(n * k, seed), n, k).unwrap();
-        let (qkv, o) = (
-            pack((heads + 2 * kv) * d, 2 * width, 11),
-            pack(width, heads * d, 12),
-        );
-        let (gate_up, down) = (pack(2 * inner, width, 13), pack(width, inner, 14));
-        let post_norm = values(width, 15);
-        let layer = DecoderLayer {
-            input_norm: &[],
-            post_attention_norm: &post_norm,
-            eps: 1e-5,
-            qkv: &qkv,
-            o: &o,
-            gate_up: &gate_up,
-            down: &down,
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            scale: 0.25,
-        };
+        let (width, kv, d) = (32, 1, 16);
+        let weights = Weights::new((width, 2 * width, 2, kv, d, 48), 30);
+        let layer = weights.layer();
         let (batch, tokens, start, capacity) = (2, 4, 3, 9);
         let normed = values(batch * tokens * 2 * width, 16);
         let residual = values(batch * tokens * width, 17);
@@ -541,7 +549,7 @@ mod tests {
             )
             .unwrap_err();
         assert!(
-            err.to_string().contains("qkv") || err.to_string().contains("hidden"),
+            matches!(err, KernelError::Shape { what: "qkv", .. }),
             "{err}"
         );
     }
