@@ -337,12 +337,17 @@ def test_the_native_layer_refuses_weights_and_caches_that_do_not_fit() -> None:
         _native.decoder_layer(**{**args, "keys": read_only})
     # An input the caller normed (a draft head's): its rows must be the hidden rows, its
     # width q/k/v's inputs.
-    normed = _native.decoder_layer(**{**args, "normed": np.zeros((1, 2, width), u16)})
+    prenormed = {**args, "input_norm": None}
+    normed = _native.decoder_layer(**prenormed, normed=np.zeros((1, 2, width), u16))
     assert normed.shape == (1, 2, width)
     with pytest.raises(_native.KernelError, match="normed has shape"):
-        _native.decoder_layer(**{**args, "normed": np.zeros((1, 3, width), u16)})
+        _native.decoder_layer(**prenormed, normed=np.zeros((1, 3, width), u16))
     with pytest.raises(_native.KernelError, match="normed"):
-        _native.decoder_layer(**{**args, "normed": np.zeros((1, 2, width + 1), u16)})
+        _native.decoder_layer(**prenormed, normed=np.zeros((1, 2, width + 1), u16))
+    with pytest.raises(_native.KernelError, match="not both"):
+        _native.decoder_layer(**args, normed=np.zeros((1, 2, width), u16))
+    with pytest.raises(_native.KernelError, match="not both"):
+        _native.decoder_layer(**prenormed)
 
 
 def test_the_native_layer_follows_weight_updates_and_kernel_switches() -> None:

@@ -523,6 +523,12 @@ def _rotary_dispatch(plain: Callable[..., Any]) -> Callable[..., Any]:
 _rotary_users: dict[str, set[int]] = {}
 
 
+def is_silu(activation: Any) -> bool:
+    """Whether ``activation`` is a SiLU module (PyTorch's or transformers'), which the
+    native SiLU product computes."""
+    return type(activation).__name__ in ("SiLU", "SiLUActivation")
+
+
 def use_native_elementwise(model: nn.Module) -> int:
     """Replace ``model``'s Llama-code norms, SiLU MLPs and rotary embedding with the native
     kernels (only where the inputs are CPU bf16 without gradients; see the module's text), and
@@ -539,7 +545,7 @@ def use_native_elementwise(model: nn.Module) -> int:
             switched += 1
         elif (
             cls.__name__.endswith("MLP")
-            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and is_silu(getattr(module, "act_fn", None))
             and _same_source(cls.forward, "mlp")
         ):
             module.__dict__[_PLAIN] = module.forward

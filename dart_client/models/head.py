@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from dart_client import _native
 from dart_client.errors import CheckpointError, IncompatibleHeadError
 from dart_client.models.attention import MAX_QUERIES, mask_bits
-from dart_client.models.elementwise import rotary_bits
+from dart_client.models.elementwise import is_silu, rotary_bits
 from dart_client.models.linear import (
     derived_weight,
     hooks_anywhere,
@@ -341,7 +341,6 @@ class HeadLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.config_act = config.hidden_act
 
     def forward(
         self,
@@ -391,15 +390,11 @@ def _native_head_layer(
     batch, tokens = normed.shape[:2]
     if (
         cache is None
-        or cache.slots is not None
-        or cache._k is None
-        or cache._v is None
-        or cache.length + tokens > cache.capacity
         or tokens > MAX_QUERIES
         or normed.dtype != torch.bfloat16
         or normed.device.type != "cpu"
         or torch.is_grad_enabled()
-        or layer.config_act != "silu"
+        or not is_silu(mlp.act)
         or prompt_block(normed)
         or hooks_anywhere()
         # Modules the PyTorch path calls as modules: their hooks must see the call.
@@ -416,17 +411,17 @@ def _native_head_layer(
         )
         if matrix is not None
     ]
-    keys, values = cache._k[: cache._live], cache._v[: cache._live]
-    if len(packed) != 4 or keys.shape[0] != batch or keys.dtype != torch.bfloat16:
+    buffers = None if len(packed) != 4 else cache.writable_bits(batch, tokens)
+    if buffers is None:
         return None
+    keys, values, start = buffers
     if mask is not None and mask.shape[-2] != tokens:
         # DartHead.forward's causal mask, its rows repeated per query head of a group (the
         # grouped-query trick of the PyTorch path): the kernel's own causal order.
         mask = None
-    start = cache.length
     out = _native.decoder_layer(
         bf16_bits(residual.contiguous()),
-        bf16_bits(norm.weight),  # not read: the input is normed
+        None,  # the input is normed: no input norm
         bf16_bits(norm.weight),
         float(norm.eps),
         *packed,
@@ -434,14 +429,13 @@ def _native_head_layer(
         attn.num_kv_heads,
         attn.head_dim**-0.5,
         *rotary_bits(*cos_sin, batch),
-        bf16_bits(keys),
-        bf16_bits(values),
+        keys,
+        values,
         start,
         None if mask is None else mask_bits(mask, start + tokens),
         torch.get_num_threads(),
         bf16_bits(normed.contiguous()),
     )
-    cache.length = start + tokens
     return from_bits(out)
 
 
@@ -476,6 +470,21 @@ class HeadCache:
         """The K and V buffers (full capacity; none before the first append) with their
         batch axis, as :meth:`TargetCache.buffers` gives them."""
         return [(b, 0) for b in (self._k, self._v) if b is not None]
+
+    def writable_bits(self, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """For a kernel that appends ``tokens`` positions of ``batch`` live rows itself (the
+        native head layer): the K and V buffers as uint16 arrays of bf16 bits (written in
+        place) and the first position to write; the length moves to after them. None where
+        :meth:`append` must run (static mode, buffers not allocated yet or not bf16, another
+        row count, no room: ``append`` raises the overflow)."""
+        if self.slots is not None or self._k is None or self._v is None:
+            return None
+        k, v = self._k[: self._live], self._v[: self._live]
+        end = self.length + tokens
+        if k.shape[0] != batch or k.dtype != torch.bfloat16 or end > self.capacity:
+            return None
+        start, self.length = self.length, end
+        return bf16_bits(k), bf16_bits(v), start
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[2]

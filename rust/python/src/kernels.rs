@@ -271,7 +271,7 @@ fn cache_mut<'a>(
 /// causally. Returns the layer's output `(batch, tokens, hidden)`. All uint16 bf16 bits.
 /// With `normed` `(batch, tokens, q/k/v inputs)`, the caller applied the input norm: q/k/v
 /// multiply `normed` and the attention's output is added to `hidden`
-/// (`DecoderLayer::forward_normed`, a DART draft head's layer; `input_norm` is not read).
+/// (`DecoderLayer::forward_normed`, a DART draft head's layer; `input_norm` is then None).
 #[pyfunction]
 #[pyo3(signature = (
     hidden, input_norm, post_attention_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
@@ -281,7 +281,7 @@ fn cache_mut<'a>(
 fn decoder_layer<'py>(
     py: Python<'py>,
     hidden: PyReadonlyArray3<'py, u16>,
-    input_norm: PyReadonlyArray1<'py, u16>,
+    input_norm: Option<PyReadonlyArray1<'py, u16>>,
     post_attention_norm: PyReadonlyArray1<'py, u16>,
     eps: f32,
     qkv: PyRef<'py, PyPackedMatrix>,
@@ -310,7 +310,15 @@ fn decoder_layer<'py>(
         )));
     }
     let layer = DecoderLayer {
-        input_norm: slice(&input_norm, "input_norm")?,
+        input_norm: match (&input_norm, &normed) {
+            (Some(norm), None) => slice(norm, "input_norm")?,
+            (None, Some(_)) => &[],
+            _ => {
+                return Err(KernelError::new_err(
+                    "give input_norm, or normed (an input already normed), not both",
+                ))
+            }
+        },
         post_attention_norm: slice(&post_attention_norm, "post_attention_norm")?,
         eps,
         qkv: &qkv.inner,
