@@ -88,9 +88,10 @@ def make_tiny_target(
     dtype: object = None,
     attn: str = "eager",
     init_range: float = 0.2,
+    device: object = None,
 ) -> object:
     """A small random Llama or Qwen3 causal LM (float64 by default), deterministic per seed,
-    on :data:`TEST_DEVICE`."""
+    on ``device`` (default :data:`TEST_DEVICE`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -119,7 +120,7 @@ def make_tiny_target(
         raise ValueError(f"unknown tiny arch {arch!r}")
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = cls(config).to(dtype or torch.float64).to(TEST_DEVICE).eval()
+    model = cls(config).to(dtype or torch.float64).to(device or TEST_DEVICE).eval()
     model.generation_config.eos_token_id = TINY_EOS
     model.generation_config.pad_token_id = 0
     return model

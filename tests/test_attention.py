@@ -110,7 +110,8 @@ def test_target_forward_with_small_query_attention_is_the_sdpa_one(arch: str) ->
     """A tree-sized forward over a cache: switched on by TargetModel, the same logits as
     SDPA in float64 (transformers' eager attention is no reference: its softmax runs in
     float32 even for float64 models), switched back by close()."""
-    model = make_tiny_target(arch, seed=3, attn="sdpa")
+    # The CPU kernels' attention: on the CPU whatever DART_TEST_DEVICE says.
+    model = make_tiny_target(arch, seed=3, attn="sdpa", device="cpu")
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -122,7 +123,7 @@ def test_target_forward_with_small_query_attention_is_the_sdpa_one(arch: str) ->
     torch.testing.assert_close(torch.cat([first, rest], dim=1), want, rtol=0, atol=1e-10)
     target.close()
     assert model.config._attn_implementation == "sdpa"
-    plain = TargetModel(make_tiny_target(arch), cpu_kernels=False)
+    plain = TargetModel(make_tiny_target(arch, device="cpu"), cpu_kernels=False)
     assert plain.model.config._attn_implementation == "eager"
     assert plain.replaced_attention is None
 
@@ -133,7 +134,7 @@ def test_a_bf16_tree_forward_gives_one_token_decodings_logits_bit_for_bit(arch: 
     """With DART's matmul and attention, every node of a tree gets exactly the logits that
     decoding its path one token at a time gives: what makes greedy DART equal greedy
     decoding on the CPU in bf16, not only up to near-ties."""
-    target = TargetModel(make_tiny_target(arch, dtype=torch.bfloat16, seed=12))
+    target = TargetModel(make_tiny_target(arch, dtype=torch.bfloat16, seed=12, device="cpu"))
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, 300, (1, 23), generator=g)
     nodes = torch.randint(3, 300, (1, 7), generator=g)
@@ -325,11 +326,14 @@ def test_target_tree_forward_on_every_sdpa_backend() -> None:
                         got.append(verify_tree(target, cache, tree)[0].float())
                 outs[backend] = got
         reference = outs.pop(SDPBackend.MATH)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        torch.testing.assert_close(reference[1], reference[0], rtol=tol, atol=tol)
+        # bf16: a few units of its resolution at the logits' scale (a padded forward and a
+        # backend's kernel round differently, and six random layers compound it).
+        scale = float(reference[0].abs().max())
+        tol = 1e-4 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps * max(scale, 1.0)
+        torch.testing.assert_close(reference[1], reference[0], rtol=0, atol=tol)
         for backend, got in outs.items():
             for out, want in zip(got, reference, strict=True):
-                torch.testing.assert_close(out, want, rtol=tol, atol=tol, msg=str(backend))
+                torch.testing.assert_close(out, want, rtol=0, atol=tol, msg=str(backend))
             tried += 1
     if not tried:
         pytest.skip(f"only the math SDPA backend runs on {TEST_DEVICE}: nothing to compare")

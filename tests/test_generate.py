@@ -286,7 +286,8 @@ def test_sdpa_and_text_prompt_paths(heads: dict[str, DartHead]) -> None:
     want = hf_greedy(model, prompt, max_new_tokens=15)
     oracle = OracleTree(want, seed=3)
     dm = DartModel(model, heads["llama"], tokenizer=tok, tree_builder=oracle)
-    got = run_oracle(dm, oracle, prompt=text, max_new_tokens=15)
+    # The dynamic path (the static one, cuda's default, drafts inside its replay).
+    got = run_oracle(dm, oracle, prompt=text, max_new_tokens=15, static=False)
     assert got.tokens == want
     assert got.prompt_tokens == len(prompt)
     assert got.text == tok.decode(want, skip_special_tokens=True)
@@ -324,7 +325,8 @@ def test_stage_timings_book_every_step_once(
     model.forward = timed
     try:
         fn = dart_generate if mode == "dart" else ar_generate
-        stream = fn(dm, input_ids=[5, 9, 11], max_new_tokens=20, stream=True)
+        # The dynamic path: a static step replays a graph instead of calling forward.
+        stream = fn(dm, input_ids=[5, 9, 11], max_new_tokens=20, stream=True, static=False)
         events = []
         for event in stream:
             oracle.g += len(event.tokens)
@@ -679,7 +681,8 @@ def wrong_sampler(bug: str) -> Any:
                     # Inverse CDF of the residual without dividing by its mass: a u past the
                     # mass left falls on the last token still possible.
                     cdf = p.cumsum(0)
-                    bonus = int(torch.searchsorted(cdf, torch.tensor(uniform(gen))))
+                    u = torch.tensor(uniform(gen), dtype=cdf.dtype, device=cdf.device)
+                    bonus = int(torch.searchsorted(cdf, u))
                     bonus = min(bonus, int(p.nonzero().max()))
                 else:
                     # Under-accepting siblings can reject the whole support: then from p.

@@ -27,7 +27,9 @@ from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import PrefixCache
 from dart_client.decoding.static import (
     KEEP_FREE_STATIC_CACHES,
+    WINDOW_ALIGN,
     StaticVerifier,
+    attention_window,
     bucket_sizes,
     lend_cache,
     resolve_static,
@@ -104,6 +106,42 @@ def test_padded_forward_is_the_dynamic_forward_at_every_bucket(tiny: Any) -> Non
             torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
             assert cache.length == len(prompt) + size
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_attention_reads_a_window_that_follows_the_length(tiny: Any) -> None:
+    """Attention reads the cache up to the next window boundary past the tree, not the
+    whole capacity: a generation that crosses a boundary takes a second window (its own
+    buffers and graphs) and still decodes exactly as the target's greedy (float64), long
+    accepted runs and the head's draft included."""
+    assert attention_window(1, 4096) == WINDOW_ALIGN
+    assert attention_window(WINDOW_ALIGN, 4096) == WINDOW_ALIGN
+    assert attention_window(WINDOW_ALIGN + 1, 4096) == 2 * WINDOW_ALIGN
+    assert attention_window(4000, 1024) == 1024
+    model, head = tiny
+    rng = np.random.default_rng(5)
+    # A tree that crosses a boundary: every node's logits and taps as the dynamic path's.
+    target = TargetModel(model)
+    near = rng.integers(3, 300, size=WINDOW_ALIGN - 5).tolist()
+    tree = random_tree(13, rng, 300)
+    want_logits, want_taps = verify_tree(target, prefilled(target, near, 4 * WINDOW_ALIGN), tree)
+    cache = prefilled(target, near, 4 * WINDOW_ALIGN)
+    logits, taps = StaticVerifier(target, cache, 13, graphs=False).forward(tree)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
+    prompt = rng.integers(3, 300, size=WINDOW_ALIGN - 40).tolist()
+    want = hf_greedy(model, prompt, max_new_tokens=48)
+    oracle = OracleTree(want, seed=2, depth=6)
+    dm = DartModel(model, head, tree_builder=oracle)
+    got = run_oracle(dm, oracle, input_ids=prompt, max_new_tokens=48, static=True, max_length=4096)
+    assert got.tokens == want
+    assert max(got.accept_lengths) >= 4
+    (cache,) = dm.target.__dict__["_static_caches"]
+    assert cache.capacity > 2 * WINDOW_ALIGN  # room the windows did not read
+    (verifier,) = cache.static_verifiers.values()
+    windows = {(window, head_window) for _, window, head_window in verifier._state}
+    assert {w for w, _ in windows} == {WINDOW_ALIGN, 2 * WINDOW_ALIGN}
+    assert all(WINDOW_ALIGN <= hw <= 2 * WINDOW_ALIGN for _, hw in windows)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -203,6 +241,29 @@ def test_static_draft_rows_are_the_dynamic_drafts(tiny: Any) -> None:
             np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5, atol=1e-6)
             steps += 1
     assert steps > 6
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_head_window_holds_the_drafted_rows_and_mask_slots(tiny: Any) -> None:
+    """Prompts whose first drafts put the mask slots just past a window boundary (the
+    accepted rows before it): the static draft still gives the dynamic draft's rows."""
+    model, head = tiny
+    rng = np.random.default_rng(6)
+    for length in range(WINDOW_ALIGN - 12, WINDOW_ALIGN - 7):
+        prompt = rng.integers(3, 300, size=length).tolist()
+        want = hf_greedy(model, prompt, max_new_tokens=6)
+        drafts = {}
+        for static in (False, True):
+            oracle = RecordingOracle(want, seed=length, depth=3)
+            dm = DartModel(model, head, tree_builder=oracle)
+            got = run_oracle(
+                dm, oracle, input_ids=prompt, max_new_tokens=6, static=static, tree_budget=7
+            )
+            assert got.tokens == want
+            drafts[static] = oracle.rows
+        for a, b in zip(drafts[True], drafts[False], strict=True):
+            np.testing.assert_array_equal(a.ids, b.ids)
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.usefixtures("one_thread")

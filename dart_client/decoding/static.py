@@ -16,15 +16,18 @@ Shapes: the tree is padded to the smallest of a few bucket sizes (:func:`bucket_
 padded nodes see only themselves, no real node sees them, and they are never accepted. The
 KV cache is the preallocated :class:`~dart_client.models.target.TargetCache` in static mode
 (:meth:`~dart_client.models.target.TargetCache.set_slots`): keys are written at slots given
-by a device tensor and attention reads the whole buffer under an additive float mask
-``(bucket, capacity)``. That is the attention path chosen on purpose: SDPA with a padded
-static mask has one shape per bucket, so no per-length plan (cuDNN), no allocator growth and
-no new cuBLAS heuristics inside the loop, it runs on every SDPA backend that takes an
-arbitrary mask (the memory-efficient kernel on cuda is preferred; math is the fallback), and
-it goes through transformers' own attention path unchanged (one code path for every
-supported target). Its cost is attending over the whole capacity instead of the used
-length: small on a GPU for the contexts DART serves, which is why the static path is the
-default there and not on the CPU (``GenerationConfig.static``).
+by a device tensor and attention reads a *window* of the buffer, its first positions up to
+the next multiple of :data:`WINDOW_ALIGN` past the tree, under an additive float mask
+``(bucket, window)``. That is the attention path chosen on purpose: SDPA with a padded
+static mask has one shape per bucket and window, so no per-length plan (cuDNN), no allocator
+growth and no new cuBLAS heuristics inside the loop, it runs on every SDPA backend that takes
+an arbitrary mask (the memory-efficient kernel on cuda is preferred; math is the fallback),
+and it goes through transformers' own attention path unchanged (one code path for every
+supported target). The window keeps attention's cost with the used length, not the
+capacity: on an H200 one query over 2,304 positions took 113 us per layer in that kernel,
+over 512 positions 28 us (docs/gpu.md); a generation captures one graph per bucket and
+window it reaches. The static path is the default on cuda and not on the CPU
+(``GenerationConfig.static``).
 
 On the CPU (and on cuda with ``graphs=False``) the same buffers and the same program run
 eagerly, which is what the CPU tests check against the dynamic path.
@@ -56,6 +59,9 @@ BUCKET_STEP = 32
 #: The static cache's capacity is rounded up to a multiple of this (aligned rows for the
 #: memory-efficient attention kernel's mask, and fewer distinct capacities to capture).
 CAPACITY_ALIGN = 256
+#: Attention reads the cache up to the next multiple of this past the tree (each window is
+#: one more graph per bucket; a larger step captures fewer, a smaller one attends over less).
+WINDOW_ALIGN = 256
 
 
 def bucket_sizes(max_tree: int) -> tuple[int, ...]:
@@ -87,6 +93,12 @@ def _aligned(positions: int) -> int:
     return math.ceil(positions / CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+def attention_window(end: int, capacity: int) -> int:
+    """The positions attention reads when the last one written is ``end - 1``: ``end``
+    rounded up to :data:`WINDOW_ALIGN`, at most the capacity."""
+    return min(capacity, math.ceil(end / WINDOW_ALIGN) * WINDOW_ALIGN)
+
+
 #: Words of the packed input before the tree: the target cache's length, the tree's node
 #: count, the head cache's length.
 HEADER = 3
@@ -94,9 +106,13 @@ HEADER = 3
 
 @dataclass
 class _Bucket:
-    """One bucket's static buffers and, on cuda, its captured graphs."""
+    """One bucket's static buffers at one attention window and, on cuda, its graphs."""
 
     size: int
+    #: Positions of the target's cache that attention reads (:func:`attention_window`).
+    window: int
+    #: The same for the head's cache (0 without a head).
+    head_window: int
     #: Pinned on cuda: [HEADER, tokens, depths, parents, mask bytes] (int64 words).
     host_in: torch.Tensor
     device_in: torch.Tensor
@@ -164,7 +180,7 @@ class StaticVerifier:
         self.capacity = cache.capacity
         #: Rejected nodes' K/V are "compacted" here, never into a live position.
         self.trash = self.capacity - 1
-        self._state: dict[int, _Bucket] = {}
+        self._state: dict[tuple[int, int, int], _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         self._columns = torch.arange(self.capacity, device=device)
         self.head = head
@@ -282,12 +298,17 @@ class StaticVerifier:
                 f"static cache overflow: a {size}-node bucket at length {self.cache.length} "
                 f"needs more than the capacity of {self.capacity}"
             )
-        state = self._state.get(size) or self._new_bucket(size)
+        window = attention_window(self.cache.length + size, self.capacity)
+        head_window = 0
+        if head is not None:
+            head_window = attention_window(head.length + size + self.masks, head.capacity)
+        key = (size, window, head_window)
+        state = self._state.get(key) or self._new_bucket(size, window, head_window)
         self._pack(state, tree)
         state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
         return state
 
-    def _new_bucket(self, size: int) -> _Bucket:
+    def _new_bucket(self, size: int, window: int, head_window: int) -> _Bucket:
         words = HEADER + 3 * size + math.ceil(size * size / 8)
         pinned = self.device.type == "cuda"
         host_in = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
@@ -297,6 +318,8 @@ class StaticVerifier:
             head_slots = torch.zeros(size + self.masks, dtype=torch.int64, device=self.device)
         state = _Bucket(
             size=size,
+            window=window,
+            head_window=head_window,
             host_in=host_in,
             device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
             slots=torch.zeros(size, dtype=torch.int64, device=self.device),
@@ -305,7 +328,7 @@ class StaticVerifier:
             outputs={},
             graphs={},
         )
-        self._state[size] = state
+        self._state[(size, window, head_window)] = state
         return state
 
     def _pack(self, state: _Bucket, tree: Tree) -> None:
@@ -377,8 +400,8 @@ class StaticVerifier:
         sees = mask_words.view(torch.uint8)[: size * size].view(size, size).bool()
         nodes = torch.arange(size, device=self.device)
         state.slots.copy_(nodes + length)
-        mask = self._mask(sees, length, size)
-        self.cache.set_slots(state.slots)
+        mask = self._mask(sees, length, size, state.window)
+        self.cache.set_slots(state.slots, state.window)
         try:
             logits, taps = self.target.run(
                 tokens.unsqueeze(0), (depths + length).unsqueeze(0), mask, self.cache
@@ -416,7 +439,14 @@ class StaticVerifier:
         if self.head is not None:
             assert state.head_slots is not None
             ids, probs = self._draft(
-                state.head_slots, taps, tokens[path], path, count, bonus, head_length
+                state.head_slots,
+                state.head_window,
+                taps,
+                tokens[path],
+                path,
+                count,
+                bonus,
+                head_length,
             )
             parts += [ids.flatten(), probs.flatten()]
         return {
@@ -427,6 +457,7 @@ class StaticVerifier:
     def _draft(
         self,
         slots: torch.Tensor,
+        window: int,
         taps: torch.Tensor,
         path_tokens: torch.Tensor,
         path: torch.Tensor,
@@ -441,7 +472,8 @@ class StaticVerifier:
         Real row d sits at position ``head_length + d``, mask slot i at ``head_length +
         count + i`` (its key stored after the padded block); the masks see the cache, the
         real rows and the slots before them, as in the dynamic draft. Returns the top-k
-        target ids and probabilities per row, ``(masks + 1, k)``."""
+        target ids and probabilities per row, ``(masks + 1, k)``. Attention reads the head
+        cache's first ``window`` positions."""
         head, head_cache = self.head, self.head_cache
         assert head is not None and head_cache is not None
         size, masks = path.shape[0], self.masks
@@ -462,7 +494,7 @@ class StaticVerifier:
                 [torch.where(real, head_length + depth, self.head_trash), head_length + size + slot]
             )
         )
-        columns = self._head_columns.unsqueeze(0)
+        columns = self._head_columns[:window].unsqueeze(0)
         real_sees = torch.where(
             real.unsqueeze(1), columns <= (head_length + depth).unsqueeze(1), columns == 0
         )
@@ -475,27 +507,29 @@ class StaticVerifier:
         mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(0).unsqueeze(0)
         cos, sin = self._rope
         cos_sin = (cos.index_select(1, positions), sin.index_select(1, positions))
-        head_cache.slots = slots
+        head_cache.slots, head_cache.window = slots, window
         try:
             projected = head.project_taps(row_taps.to(dtype))
             logits = head.draft_logits(projected, next_ids, head_cache, cos_sin, mask, masks)[0]
         finally:
-            head_cache.slots = None
+            head_cache.slots, head_cache.window = None, None
         top = torch.topk(logits, self.top_k, dim=-1)
         probs = torch.softmax(top.values.float(), dim=-1)
         return self._draft_to_target[top.indices], probs
 
-    def _mask(self, sees: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
-        """Float mask (1, 1, size, capacity): every node sees the cache below ``length``
+    def _mask(
+        self, sees: torch.Tensor, length: torch.Tensor, size: int, window: int
+    ) -> torch.Tensor:
+        """Float mask (1, 1, size, window): every node sees the cache below ``length``
         and, from ``length`` on, the tree nodes its row of ``sees`` allows; nothing else."""
-        offset = self._columns - length
+        offset = self._columns[:window] - length
         in_tree = (offset >= 0) & (offset < size)
         tree_part = sees[:, offset.clamp(0, size - 1)] & in_tree
         visible = (offset < 0) | tree_part
         dtype = self.target.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
         mask = mask.masked_fill(~visible, torch.finfo(dtype).min)
-        return mask.view(1, 1, size, self.capacity)
+        return mask.view(1, 1, size, window)
 
 
 def verifier_for(

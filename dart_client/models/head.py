@@ -463,8 +463,10 @@ class HeadCache:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         #: Static mode (``dart_client.decoding.static``): the positions, a device tensor,
-        #: that the next keys are written to; attention then reads the whole buffer.
+        #: that the next keys are written to; attention then reads the buffer's first
+        #: ``window`` positions (None: all of it).
         self.slots: torch.Tensor | None = None
+        self.window: int | None = None
 
     def buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The K and V buffers (full capacity; none before the first append) with their
@@ -495,7 +497,7 @@ class HeadCache:
             # Static mode: no host-side length (the caller sets it once it is known).
             self._k.index_copy_(2, self.slots, k)
             self._v.index_copy_(2, self.slots, v)
-            return self._k, self._v
+            return self._k[:, :, : self.window], self._v[:, :, : self.window]
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(

@@ -55,9 +55,11 @@ class PreallocatedLayer(DynamicLayer):
         #: compaction is one copy, not two per layer), or None for a buffer of its own.
         self.storage = storage
         #: Static mode (:meth:`TargetCache.set_slots`): the cache positions, a device tensor,
-        #: that the next keys are written to; attention then reads the whole buffer (every
-        #: forward has the same shapes, as a CUDA graph needs) and a mask hides the rest.
+        #: that the next keys are written to; attention then reads the buffer's first
+        #: ``window`` positions (every forward of a window has the same shapes, as a CUDA
+        #: graph needs) and a mask hides what it must not see.
         self.slots: torch.Tensor | None = None
+        self.window: int | None = None
         #: A batched cache's live rows (its first ``rows`` batch entries); None: every entry.
         self.rows: int | None = None
         #: :meth:`writable_bits`' views: (rows, K bits, V bits).
@@ -104,7 +106,8 @@ class PreallocatedLayer(DynamicLayer):
             # No host-side length: the caller moves it once it knows what was accepted.
             self._k.index_copy_(2, self.slots, key_states)
             self._v.index_copy_(2, self.slots, value_states)
-            return self._k, self._v
+            window = self.window
+            return self._k[:, :, :window], self._v[:, :, :window]
         end = self._end(key_states.shape[-2])
         rows = self.rows
         self._k[:rows, :, self.length : end] = key_states
@@ -280,13 +283,13 @@ class TargetCache(Cache):
         #: The static path's verifiers for this cache (``decoding.static.verifier_for``).
         self.static_verifiers: dict[Any, Any] = {}
 
-    def set_slots(self, slots: torch.Tensor | None) -> None:
+    def set_slots(self, slots: torch.Tensor | None, window: int | None = None) -> None:
         """Static mode: every layer writes new keys to positions ``slots`` (a device tensor,
         read at each forward, so a captured graph follows its contents) and attends over
-        the whole buffer (``dart_client.decoding.static``); None: back to appending at the
-        length."""
+        the buffer's first ``window`` positions (None: all of it;
+        ``dart_client.decoding.static``); ``slots=None``: back to appending at the length."""
         for layer in self._layers():
-            layer.slots = slots
+            layer.slots, layer.window = slots, window
 
     def _layers(self) -> list[PreallocatedLayer]:
         layers = [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]

@@ -1,8 +1,8 @@
 """Per-step costs of the static decoding path on a target of a given shape (random weights).
 
     python -m dart_client.apps.bench.gpu_shapes [--shape llama3-8b|smollm2|tiny]
-        [--device cuda] [--dtype bf16] [--context 300] [--tree 61] [--steps 30]
-        [--ngram PATH] [--json OUT.json]
+        [--base embedded|PATH] [--device cuda] [--dtype bf16] [--context 300] [--tree 61]
+        [--steps 30] [--ngram PATH] [--json OUT.json]
 
 What #20's cost goals are about, measured at a cache of ``--context`` tokens (restored after
 every timed step, so each runs at the same length), each a median over ``--steps`` runs:
@@ -21,7 +21,10 @@ every timed step, so each runs at the same length), each a median over ``--steps
 * ``eager_forward_ms``: the dynamic (eager) path's one-token forward, for comparison.
 
 Random weights cost what trained ones cost; acceptance is not measured here (``dart bench``
-measures it with the trained head).
+measures it with the trained head). ``--base`` measures a real target instead of a shape
+(``embedded``: the embedded SmolLM2, as ``dart bench`` loads it), to tell a cost of the
+model from a cost of the decoding loop. On cuda the report also lists the kernels that take
+most of an AR step's GPU time (``ar_top_kernels``).
 """
 
 from __future__ import annotations
@@ -92,8 +95,11 @@ def build_target(shape: str, dtype: torch.dtype, device: str, seed: int = 0) -> 
     return model.eval()
 
 
-def kernel_ms(run: Callable[[], Any], repeats: int) -> float | None:
-    """GPU kernel time per ``run()`` as the profiler counts it (None off cuda)."""
+def kernel_ms(
+    run: Callable[[], Any], repeats: int, top: list[dict[str, Any]] | None = None
+) -> float | None:
+    """GPU kernel time per ``run()`` as the profiler counts it (None off cuda); ``top``
+    receives the 12 kernels with the most time per run (name, ms, calls per run)."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -103,13 +109,17 @@ def kernel_ms(run: Callable[[], Any], repeats: int) -> float | None:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
-    total_us = 0.0
+    rows = []
     for event in prof.key_averages():
-        total_us += float(
+        us = float(
             getattr(event, "self_device_time_total", None)
             or getattr(event, "self_cuda_time_total", 0.0)
         )
-    return total_us / 1000 / repeats
+        rows.append((us, event.key, event.count))
+    if top is not None:
+        for us, name, count in sorted(rows, reverse=True)[:12]:
+            top.append({"kernel": name[:120], "ms": us / 1000 / repeats, "calls": count / repeats})
+    return sum(us for us, _, _ in rows) / 1000 / repeats
 
 
 def measure(
@@ -120,8 +130,10 @@ def measure(
     tree_nodes: int,
     steps: int,
     ngram: str | None = None,
+    base: str | None = None,
 ) -> dict[str, Any]:
-    """The figures of the module docstring, in milliseconds."""
+    """The figures of the module docstring, in milliseconds (``base``: a real target
+    instead of ``shape``'s random one)."""
     from dart_client.decoding.draft import draft_rows
     from dart_client.decoding.prune import PrunerTreeBuilder, build_tree
     from dart_client.decoding.static import StaticVerifier, static_capacity
@@ -129,7 +141,13 @@ def measure(
     from dart_client.models.head import DartHead
     from dart_client.models.target import TargetModel
 
-    model = build_target(shape, dtype, device)
+    if base is None:
+        model = build_target(shape, dtype, device)
+    else:
+        from dart_client.loading import load_target
+
+        model, _ = load_target(None if base == "embedded" else base, dtype=dtype, device_map=device)
+        shape = base
     target = TargetModel(model, cpu_kernels=target_device(model).type == "cpu")
     dev = target.device
     vocab = target.vocab_size
@@ -202,6 +220,8 @@ def measure(
         "bucket": drafting.bucket(tree_nodes),
         "steps": steps,
         "torch": torch.__version__,
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "capacity": cache.capacity,
         "ar_step_ms": timed(lambda: one_token.greedy_step(root)),
         "one_node_step_ms": timed(lambda: drafting.greedy_step(root)),
         "tree_step_ms": timed(lambda: drafting.greedy_step(tree)),
@@ -232,8 +252,10 @@ def measure(
         report["prune_ms"] = prune
     host = report["load_ms"] + report["readback_ms"] + prune
     report["host_vs_ar_step"] = host / report["ar_step_ms"]
-    kernels = kernel_ms(lambda: (one_token.greedy_step(root), restore()), steps)
+    top: list[dict[str, Any]] = []
+    kernels = kernel_ms(lambda: (one_token.greedy_step(root), restore()), steps, top)
     report["ar_kernel_ms"] = kernels
+    report["ar_top_kernels"] = top
     report["ar_wall_vs_kernels"] = report["ar_step_ms"] / kernels if kernels else None
     tree_kernels = kernel_ms(lambda: (plain.greedy_step(tree), restore()), steps)
     report["tree_kernel_ms"] = tree_kernels
@@ -276,6 +298,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"| pruner | {ms('prune_ms')} | |",
             f"| host work per step / AR step | {ratio('host_vs_ar_step')} | under 0.10x |",
             f"| eager one-token forward (dynamic path) | {ms('eager_forward_ms')} | |",
+            "",
+            f"attention: {report.get('attention')}, cache capacity {report.get('capacity')}",
+            *(
+                f"- {k['ms']:.3f} ms, {k['calls']:.0f} calls: {k['kernel']}"
+                for k in report.get("ar_top_kernels") or []
+            ),
         ]
     )
 
@@ -283,6 +311,11 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="a real target instead of --shape: 'embedded' (SmolLM2) or a path / hub id",
+    )
     add_device_argument(p, "cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--context", type=int, default=300)
@@ -295,7 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     report = measure(
-        args.shape, args.device, DTYPES[args.dtype], args.context, args.tree, args.steps, args.ngram
+        args.shape,
+        args.device,
+        DTYPES[args.dtype],
+        args.context,
+        args.tree,
+        args.steps,
+        args.ngram,
+        args.base,
     )
     print(markdown(report))
     if args.json:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md in one call, for a machine lent for minutes: each step runs under
+# its own time limit and appends to one log, so a step that fails or runs long costs only itself.
+# Results (JSON, the logs) are packed into $OUT/results.tar after every step.
+#   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
+# STEP: env static bench shapes shapes-real real profile batched eagle3 generate (default: all,
+# in that order).
+set -uo pipefail
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-out}
+R=$OUT/r
+mkdir -p "$R"
+NG=/tmp/gpu/embedded.ngram
+SG=/tmp/gpu/prompts/sharegpt.jsonl
+LOG=$OUT/log.txt
+# Each call brings the checkout anew; where it travelled without the heads' weights
+# (docs/gpu.md), the parts that unpack.sh left in /tmp/gpu hold them.
+[ -d /tmp/gpu/heads ] && cp -r /tmp/gpu/heads/. dart_client/heads/
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s) $(date -u +%T)" | tee -a "$LOG"
+  timeout --kill-after=5 "$limit" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$R/$name.log" >> "$LOG"
+  echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  tar -C "$OUT" -cf "$OUT/results.tar" r
+}
+run() {
+  case $1 in
+    env) step env 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    static) step static 120 env DART_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_static.py tests/test_head.py tests/test_attention.py ;;
+    bench) step bench 200 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
+        --workloads humaneval "$SG" --max-prompts 4 --max-new-tokens 128 --methods ar dart \
+        --compare-budgets 31 60 --no-progress --output-dir "$R/bench" ;;
+    shapes) step shapes-8b 100 python3 -m dart_client.apps.bench.gpu_shapes --shape llama3-8b \
+        --device cuda --ngram "$NG" --json "$R/shapes-llama3-8b.json"
+      step shapes-smollm2 60 python3 -m dart_client.apps.bench.gpu_shapes --shape smollm2 \
+        --device cuda --ngram "$NG" --json "$R/shapes-smollm2.json" ;;
+    shapes-real) step shapes-embedded 90 python3 -m dart_client.apps.bench.gpu_shapes \
+        --base embedded --device cuda --ngram "$NG" --json "$R/shapes-embedded.json" ;;
+    real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
+        -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
+    profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \
+        --ngram "$NG" --head auto --prompts 4 --max-new 128 --json "$R/profile.json" ;;
+    batched) step batched 90 python3 -m dart_client.apps.bench.batched --device cuda --ngram "$NG" \
+        --batch 8 --workloads humaneval --groups 1 --max-new-tokens 64 \
+        --methods ar-xN dart-xN --output "$R/batched-8.json" ;;
+    eagle3) step eagle3 120 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
+        --workloads humaneval "$SG" --max-prompts 3 --max-new-tokens 128 --methods ar dart eagle3 \
+        --no-progress --output-dir "$R/eagle3" ;;
+    generate) step generate 240 env DART_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+        tests/test_generate.py ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+}
+[ $# -gt 0 ] || set -- env static bench shapes shapes-real real profile batched eagle3 generate
+for s in "$@"; do run "$s"; done
