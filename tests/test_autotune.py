@@ -142,6 +142,38 @@ def test_autotune_curve_and_choice(target: Any, head: DartHead) -> None:
     assert d["curve"][0]["step_ms"] == pytest.approx(tuning.curve[0].step_ms)
 
 
+def test_on_the_static_path_the_draft_is_timed_inside_the_replay(
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where generation takes the static path (cuda; forced here, eagerly), a DART step is
+    one replay that verifies and drafts: the tuning times that replay with the head in it
+    (each tree bucket drafts), books no separate draft (on a GPU the dynamic draft's new
+    shapes cost 50 ms a call, which no static step pays), and says so."""
+    import dart_client.decoding.autotune as autotune_module
+    from dart_client.decoding.static import StaticVerifier
+
+    monkeypatch.setattr(autotune_module, "resolve_static", lambda value, devices: True)
+    drafted: list[bool] = []
+    greedy_step = StaticVerifier.greedy_step
+
+    def recording(self: Any, tree: Any) -> Any:
+        drafted.append(self.head is not None)
+        return greedy_step(self, tree)
+
+    monkeypatch.setattr(StaticVerifier, "greedy_step", recording)
+    base = DartModel(target)
+    ps = prompts(2, seed=4)
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=16).tokens for p in ps]
+    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    tuning = autotune(
+        dm, prompts=ps, budgets=(2, 9), continuation_tokens=16, context_tokens=32, repeats=2
+    )
+    assert all(p.draft_ms == 0 and p.verify_ms > 0 for p in tuning.curve)
+    assert any("drafts inside each verification replay" in n for n in tuning.notes)
+    # Trees replay with the head (2 budgets, warm-up + 2 rounds); AR's one token without.
+    assert drafted.count(True) == 2 * 3 and drafted.count(False) == 3
+
+
 def test_auto_budget_is_tuned_once_and_used_by_generation(
     target: Any, head: DartHead, tiny_ngram_path: Any
 ) -> None:
@@ -211,7 +243,7 @@ def test_verify_costs_warm_every_shape_before_timing(
         return time.perf_counter()
 
     dm = DartModel(target, head)
-    verify_ms, ar_ms = autotune._verify_costs(dm, [1, 4, 9], 20, 2, clock, 0)  # type: ignore[arg-type]
+    verify_ms, ar_ms, _ = autotune._verify_costs(dm, [1, 4, 9], 20, 2, clock, 0)  # type: ignore[arg-type]
     assert set(verify_ms) == {1, 4, 9} and ar_ms > 0
     warm = events[: events.index("clock")]
     assert {2, 5, 10} <= set(warm), warm

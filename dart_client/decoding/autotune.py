@@ -42,6 +42,7 @@ from dart_client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from dart_client.decoding.loop import DecodingModel as DartModel
+    from dart_client.models.head import DartHead
 
 #: Budgets (draft nodes, root not counted) measured by default; 60 is the reference's GPU value.
 #: 11 and 31 are the largest trees (12 and 32 rows with the root) that DART's CPU matmul
@@ -211,6 +212,7 @@ def autotune(
     if repeats < 1:
         raise InvalidArgumentError(f"repeats must be >= 1, got {repeats}")
     start = time.perf_counter()
+    notes: list[str] = []
     encoded = _calibration_ids(model, prompts, seed)
     clock = _Clock(model.target.device, model.target.clock)
 
@@ -228,13 +230,20 @@ def autotune(
             prune_times[b].extend(seconds)
 
     if batch == 1:
-        verify, ar_ms = _verify_costs(model, clean, context_tokens, repeats, clock, seed)
+        verify, ar_ms, drafts_in_verify = _verify_costs(
+            model, clean, context_tokens, repeats, clock, seed, model.head
+        )
         draft_ms = 1e3 * statistics.median(draft_times) if draft_times else 0.0
+        if drafts_in_verify:
+            draft_ms = 0.0
+            notes.append(
+                "static path: the head drafts inside each verification replay (its time is "
+                "in verify ms)"
+            )
     else:
         verify, ar_ms, draft_ms = _batch_costs(
             model, clean, context_tokens, repeats, clock, seed, batch
         )
-    notes: list[str] = []
     curve = []
     for b in clean:
         tau = statistics.fmean(steps[b]) if steps[b] else 1.0
@@ -498,9 +507,13 @@ def _verify_costs(
     repeats: int,
     clock: _Clock,
     seed: int,
-) -> tuple[dict[int, float], float]:
-    """Median milliseconds of one tree verification forward per budget, and of one
-    autoregressive forward (one token, no taps: what ``ar_generate`` runs)."""
+    head: DartHead | None = None,
+) -> tuple[dict[int, float], float, bool]:
+    """Median milliseconds of one tree verification forward per budget, of one
+    autoregressive forward (one token, no taps: what ``ar_generate`` runs), and whether the
+    tree steps include the draft: where generation takes the static path (cuda) the DART
+    ``head`` drafts inside the verification replay, so that is what is timed; without a
+    head (EAGLE-3, which drafts on the dynamic path) trees are timed on the dynamic path."""
     target = model.target
     max_tree = max(budgets) + 1
     cache, n = _prefilled(model, context_tokens, seed, max_tree)
@@ -509,15 +522,20 @@ def _verify_costs(
     token = torch.tensor([[1]], dtype=torch.long, device=target.device)
     position = torch.tensor([[n]], dtype=torch.long, device=target.device)
     # Where generation takes the static path (cuda), time what a step runs there: the
-    # padded forward, acceptance and compaction of the tree's bucket (a graph replay).
-    static = None
+    # padded forward, acceptance, compaction and the head's next draft in the tree's bucket
+    # (one graph replay); autoregressive decoding's one-token step has no head.
+    static = one_token = None
     if resolve_static("auto", target.layer_devices()):
         graphs = target.device.type == "cuda"
-        static = StaticVerifier(target, cache, max_tree, graphs=graphs)
+        one_token = StaticVerifier(target, cache, 1, graphs=graphs)
+        if head is not None:
+            static = StaticVerifier(
+                target, cache, max_tree, graphs=graphs, head=head, top_k=model.draft_top_k
+            )
 
     def ar_forward() -> None:
-        if static is not None:
-            static.greedy_step(Tree.root_only(1))
+        if one_token is not None:
+            one_token.greedy_step(Tree.root_only(1))
         else:
             target.forward(token, position, cache, logits_to_keep=1, taps=False)
 
@@ -526,9 +544,14 @@ def _verify_costs(
             return lambda: static.greedy_step(trees[b])
         return lambda: verify_tree(target, cache, trees[b])
 
+    def reset() -> None:
+        cache.truncate(n)
+        if static is not None and static.head_cache is not None:
+            static.head_cache.truncate(0)
+
     runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    ms = _median_ms(runs, repeats, clock, lambda: cache.truncate(n))
-    return {b: ms[b] for b in budgets}, ms[-1]
+    ms = _median_ms(runs, repeats, clock, reset)
+    return {b: ms[b] for b in budgets}, ms[-1], static is not None
 
 
 def _median_ms(
@@ -787,7 +810,7 @@ def tune_eagle3_tree(
             lengths[c].extend(steps)
             draft_times[c].extend(seconds)
     budgets = sorted({c.budget for c in configs})
-    verify, ar_ms = _verify_costs(model, budgets, context_tokens, repeats, clock, seed)
+    verify, ar_ms, _ = _verify_costs(model, budgets, context_tokens, repeats, clock, seed)
     curve = []
     for c in configs:
         tau = statistics.fmean(lengths[c]) if lengths[c] else 1.0
