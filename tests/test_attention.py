@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from conftest import make_tiny_target
@@ -337,3 +339,42 @@ def test_target_tree_forward_on_every_sdpa_backend() -> None:
             tried += 1
     if not tried:
         pytest.skip(f"only the math SDPA backend runs on {TEST_DEVICE}: nothing to compare")
+
+
+def test_decoding_pins_cudnn_attention_out_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cuda, decoding's attention (the target's forward, the heads' layers, the static
+    path's graphs) runs with cuDNN's SDPA off (a plan per new sequence length, 50-60 ms
+    each on Hopper) and the flash, memory-efficient and math kernels on; on the CPU PyTorch's
+    own choice stays; and the target's forward and the head's attention enter it."""
+    import dart_client.models.head as head_module
+    import dart_client.models.target as target_module
+    from dart_client.models.attention import decoding_sdpa
+    from dart_client.models.head import DartHead
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())
+    with decoding_sdpa(torch.device("cuda", 0)):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+        assert cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.math_sdp_enabled()) == before
+    with decoding_sdpa(torch.device("cpu")):
+        assert cuda.cudnn_sdp_enabled() == before[0]
+
+    entered: list[str] = []
+
+    def recording(device: torch.device) -> Any:
+        entered.append(device.type)
+        return decoding_sdpa(device)
+
+    monkeypatch.setattr(target_module, "decoding_sdpa", recording)
+    monkeypatch.setattr(head_module, "decoding_sdpa", recording)
+    model = make_tiny_target("llama", seed=3, device="cpu")
+    target = TargetModel(model, cpu_kernels=False)
+    cache = target.new_cache(16)
+    target.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], cache)
+    assert entered == ["cpu"]
+    head = DartHead.random_init(model.config, draft_length=3, seed=1).double()
+    head.bind_embedding(model.get_input_embeddings())
+    head(torch.zeros(1, 2, 3 * 64, dtype=torch.float64), torch.tensor([[5, 6]]), head.new_cache(8))
+    assert entered == ["cpu", "cpu"]

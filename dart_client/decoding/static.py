@@ -36,7 +36,6 @@ eagerly, which is what the CPU tests check against the dynamic path.
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,7 @@ import torch
 from dart_client.decoding.accept import Acceptance
 from dart_client.decoding.draft import DraftRows
 from dart_client.errors import InvalidArgumentError
+from dart_client.models.attention import decoding_sdpa
 
 if TYPE_CHECKING:
     from dart_client.decoding.verify import Tree
@@ -351,7 +351,7 @@ class StaticVerifier:
 
     def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
         if not self.graphs:
-            with self._attention():
+            with decoding_sdpa(self.device):
                 return self._program(state, kind)
         graph = state.graphs.get(kind)
         if graph is None:
@@ -367,24 +367,15 @@ class StaticVerifier:
         follows leaves what one run would."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), self._attention():
+        with torch.cuda.stream(stream), decoding_sdpa(self.device):
             for _ in range(2):
                 self._program(state, kind)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), self._attention():
+        with torch.cuda.graph(graph, pool=self._pool), decoding_sdpa(self.device):
             state.outputs[kind] = self._program(state, kind)
         state.graphs[kind] = graph
         return graph
-
-    def _attention(self) -> AbstractContextManager[Any]:
-        """On cuda, SDPA's memory-efficient kernel (any additive mask, no per-shape plan),
-        math as the fallback; elsewhere PyTorch's choice."""
-        if self.device.type != "cuda":
-            return nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     @torch.no_grad()
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_client import _native
 from dart_client.errors import CheckpointError, IncompatibleHeadError
-from dart_client.models.attention import MAX_QUERIES, mask_bits
+from dart_client.models.attention import MAX_QUERIES, decoding_sdpa, mask_bits
 from dart_client.models.elementwise import is_silu, rotary_bits
 from dart_client.models.linear import (
     derived_weight,
@@ -293,20 +293,21 @@ class HeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         groups = nh // nkv
-        if mask is None:
-            if k.shape[2] != n:
-                raise RuntimeError(f"causal attention over {n} rows, but {k.shape[2]} keys")
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
-        elif groups == 1:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif mask.shape[-2] == groups * n:
-            qg = q.reshape(b, nkv, groups * n, hd)
-            # reshape, not view: some backends (CUDA's efficient / flash kernels) return the
-            # output in (b, n, heads, d) memory order, which a view cannot regroup.
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-            out = out.reshape(b, nh, n, hd)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        with decoding_sdpa(x.device):
+            if mask is None:
+                if k.shape[2] != n:
+                    raise RuntimeError(f"causal attention over {n} rows, but {k.shape[2]} keys")
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+            elif groups == 1:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            elif mask.shape[-2] == groups * n:
+                qg = q.reshape(b, nkv, groups * n, hd)
+                # reshape, not view: some backends (CUDA's efficient / flash kernels) return
+                # the output in (b, n, heads, d) memory order, which a view cannot regroup.
+                out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+                out = out.reshape(b, nh, n, hd)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, n, nh * hd)
         return project(self, ("o_proj",), out)
 

@@ -31,7 +31,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from dart_client.errors import UnsupportedTargetError
 from dart_client.models import elementwise
-from dart_client.models.attention import restore_attention, use_small_query_attention
+from dart_client.models.attention import (
+    decoding_sdpa,
+    restore_attention,
+    use_small_query_attention,
+)
 from dart_client.models.linear import PackReport, pack_linear_layers, unpack_linear_layers
 from dart_client.models.native import bf16_bits
 
@@ -689,28 +693,29 @@ class TargetModel:
         self._taps.clear()
         self._capture = taps
         try:
-            logits = None
-            if self.native_elementwise:
-                logits = elementwise.native_forward(
-                    self.model,
-                    input_ids,
-                    position_ids,
-                    mask,
-                    cache,
-                    logits_to_keep,
-                    self._tap_slots if taps else None,
-                    self._taps,
-                    self._hook_ids,
-                )
-            if logits is None:
-                logits = self.model(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    attention_mask=mask,
-                    use_cache=True,
-                    **{self._cache_keyword: cache},
-                    logits_to_keep=logits_to_keep,
-                ).logits
+            with decoding_sdpa(input_ids.device):
+                logits = None
+                if self.native_elementwise:
+                    logits = elementwise.native_forward(
+                        self.model,
+                        input_ids,
+                        position_ids,
+                        mask,
+                        cache,
+                        logits_to_keep,
+                        self._tap_slots if taps else None,
+                        self._taps,
+                        self._hook_ids,
+                    )
+                if logits is None:
+                    logits = self.model(
+                        input_ids=input_ids,
+                        position_ids=position_ids,
+                        attention_mask=mask,
+                        use_cache=True,
+                        **{self._cache_keyword: cache},
+                        logits_to_keep=logits_to_keep,
+                    ).logits
         finally:
             self._capture = False
         tapped = None
