@@ -357,12 +357,19 @@ class DartModel:
         return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
 
     def batch_generator(
-        self, *, mode: str = "dart", max_batch: int = 8, max_length: int = 2048
+        self,
+        *,
+        mode: str = "dart",
+        max_batch: int = 8,
+        max_length: int = 2048,
+        static: bool | str = "auto",
     ) -> BatchGenerator:
         """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
         this model; configs given to its ``add`` take :meth:`resolve_config` first (with
-        ``batch=max_batch``)."""
-        return BatchGenerator(self, mode=mode, max_batch=max_batch, max_length=max_length)
+        ``batch=max_batch``). ``static``: the static path (``"auto"``: on one cuda device)."""
+        return BatchGenerator(
+            self, mode=mode, max_batch=max_batch, max_length=max_length, static=static
+        )
 
     def resolve_config(
         self, config: GenerationConfig, mode: str = "dart", batch: int = 1

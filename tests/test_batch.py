@@ -84,9 +84,15 @@ def alone(dm: DartModel, prompt: Sequence[int], mode: str, **kwargs: Any) -> lis
     return dm.generate(input_ids=list(prompt), mode=mode, **kwargs).tokens
 
 
+#: The dynamic path, and the static one (cuda's default; eager here) with its fixed-shape
+#: program, device-side acceptance and compaction.
+STATIC = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+
+
+@STATIC
 @pytest.mark.parametrize("mode", ["ar", "dart"])
 def test_greedy_batch_equals_each_prompt_alone_with_the_pruner(
-    mode: str, target: Any, head: DartHead, tiny_ngram_path: Any
+    mode: str, static: bool, target: Any, head: DartHead, tiny_ngram_path: Any
 ) -> None:
     from dart_client.ngram import NGram
 
@@ -94,19 +100,22 @@ def test_greedy_batch_equals_each_prompt_alone_with_the_pruner(
     # Ragged prompts (1 to 39 tokens); max_new 1 ends a row at its first token.
     prompts = random_prompts(6, seed=3)
     for max_new in (1, 9, 30):
-        got = dm.generate_batch(prompts, mode=mode, max_new_tokens=max_new)
+        got = dm.generate_batch(prompts, mode=mode, max_new_tokens=max_new, static=static)
         for prompt, result in zip(prompts, got, strict=True):
             assert result.tokens == alone(dm, prompt, mode, max_new_tokens=max_new)
             assert result.mode == mode
 
 
-def test_greedy_batch_with_long_accepted_paths_equals_alone(target: Any, head: DartHead) -> None:
+@STATIC
+def test_greedy_batch_with_long_accepted_paths_equals_alone(
+    static: bool, target: Any, head: DartHead
+) -> None:
     dm = DartModel(target, head, tree_builder=None)
     prompts = random_prompts(5, seed=8)
     truths = [p + alone(dm, p, "ar", max_new_tokens=40) for p in prompts]
     builder = Truths(truths)
     dm.tree_builder = builder
-    got = dm.generate_batch(prompts, max_new_tokens=40, tree_budget=12)
+    got = dm.generate_batch(prompts, max_new_tokens=40, tree_budget=12, static=static)
     for prompt, truth, result in zip(prompts, truths, got, strict=True):
         assert result.tokens == truth[len(prompt) :]
     # What makes the test able to fail: several rows, long and uneven accepted paths.
@@ -115,7 +124,8 @@ def test_greedy_batch_with_long_accepted_paths_equals_alone(target: Any, head: D
     assert builder.batches < sum(r.steps for r in got)
 
 
-def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
+@STATIC
+def test_rows_join_and_leave_between_steps(static: bool, target: Any, head: DartHead) -> None:
     """Continuous batching: 2 slots, 6 requests added at different steps, rows ending at
     different times (EOS, length, their first token); each output equals its prompt alone;
     a request longer than the context is refused and the others go on."""
@@ -124,7 +134,7 @@ def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
     news = [25, 1, 14, 30, 3, 18]
     truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
     dm.tree_builder = Truths(truths, seed=1)
-    batch = dm.batch_generator(max_batch=2, max_length=64)
+    batch = dm.batch_generator(max_batch=2, max_length=64, static=static)
     ids: dict[int, int] = {}
     results: dict[int, Any] = {}
     live_counts = []
@@ -150,14 +160,23 @@ def test_rows_join_and_leave_between_steps(target: Any, head: DartHead) -> None:
     for request, result in results.items():
         i = ids[request]
         assert result.tokens == truths[i][len(prompts[i]) :], f"request {i}"
+    if static:
+        # One program per (rows, tree bucket, window): one row and two rows both ran.
+        assert batch.verifier is not None
+        assert {rows for rows, _, _ in batch.verifier._state} == {1, 2}
+    else:
+        assert batch.verifier is None
 
 
-def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(target: Any, head: DartHead) -> None:
+@STATIC
+def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(
+    static: bool, target: Any, head: DartHead
+) -> None:
     dm = DartModel(target, head, tree_builder=None)
     prompts = random_prompts(4, seed=31)
     truths = [p + alone(dm, p, "ar", max_new_tokens=20) for p in prompts]
     dm.tree_builder = Truths(truths, seed=2)
-    batch = dm.batch_generator(max_batch=3, max_length=64)
+    batch = dm.batch_generator(max_batch=3, max_length=64, static=static)
     config = GenerationConfig(max_new_tokens=20, tree_budget=6)
     ids = [batch.add(config, input_ids=p) for p in prompts]
     batch.step()
@@ -174,14 +193,17 @@ def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(target: Any, head: 
         assert results[ids[i]].tokens == truths[i][len(prompts[i]) :]
 
 
-def test_all_rows_ending_together_and_a_bad_prompt(target: Any, head: DartHead) -> None:
+@STATIC
+def test_all_rows_ending_together_and_a_bad_prompt(
+    static: bool, target: Any, head: DartHead
+) -> None:
     dm = DartModel(target, head, tree_builder=Truths([]))
     prompts = random_prompts(4, seed=21)
-    got = dm.generate_batch(prompts, mode="ar", max_new_tokens=5)
+    got = dm.generate_batch(prompts, mode="ar", max_new_tokens=5, static=static)
     assert all(len(r.tokens) <= 5 for r in got)
     assert [r.tokens for r in got] == [alone(dm, p, "ar", max_new_tokens=5) for p in prompts]
     # Two rows at a time: the others join as rows free up.
-    two = dm.generate_batch(prompts, mode="ar", max_new_tokens=5, max_batch=2)
+    two = dm.generate_batch(prompts, mode="ar", max_new_tokens=5, max_batch=2, static=static)
     assert [r.tokens for r in two] == [r.tokens for r in got]
     with pytest.raises(ContextTooLongError, match="prompt 1"):
         dm.generate_batch([[5, 6], list(range(3, 300))], max_new_tokens=4, max_length=100)
@@ -356,7 +378,10 @@ def assert_readable_is_finite(cache: TargetCache) -> None:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
 
 
-def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(target: Any) -> None:
+@STATIC
+def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(
+    static: bool, target: Any
+) -> None:
     """AR rows draw from their own generators in a lone run's order: mixed greedy and
     seeded sampling rows (own temperatures) equal each request run alone, token for token."""
     dm = DartModel(target)
@@ -365,7 +390,7 @@ def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(target: Any) -
         GenerationConfig(max_new_tokens=12, temperature=t, top_p=0.9, seed=s)
         for t, s in zip((0.0, 0.7, 1.0, 0.0, 1.3), (1, 2, 3, 4, 5), strict=True)
     ]
-    batch = dm.batch_generator(mode="ar", max_batch=3, max_length=64)
+    batch = dm.batch_generator(mode="ar", max_batch=3, max_length=64, static=static)
     ids = [batch.add(c, input_ids=p) for c, p in zip(configs, prompts, strict=True)]
     results: dict[int, Any] = {}
     while not batch.done:
@@ -375,3 +400,36 @@ def test_autoregressive_sampling_rows_equal_each_seeded_run_alone(target: Any) -
         want = dm.generate(input_ids=prompt, config=config, mode="ar").tokens
         assert results[ids[i]].tokens == want, f"request {i}"
     assert len({tuple(r.tokens) for r in results.values()}) == len(prompts)
+
+
+def test_static_dart_batches_with_sampling_rows_decode_as_the_dynamic_ones(
+    target: Any, head: DartHead
+) -> None:
+    """A batch with seeded sampling rows beside greedy ones takes the static program's
+    forward and accepts on the host: the same tokens as the dynamic batch (float64), rows
+    joining and leaving; an all-greedy batch of the same prompts takes the device
+    acceptance and also decodes as the dynamic one."""
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(5, seed=41)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=16) for p in prompts]
+    temperatures = (0.0, 0.8, 1.0, 0.0, 1.2)
+    for sampled in (True, False):
+        outputs = {}
+        for static in (False, True):
+            dm.tree_builder = Truths(truths, seed=3)
+            batch = dm.batch_generator(max_batch=3, max_length=64, static=static)
+            ids = []
+            for i, prompt in enumerate(prompts):
+                t = temperatures[i] if sampled else 0.0
+                config = GenerationConfig(max_new_tokens=16, temperature=t, seed=i, tree_budget=8)
+                ids.append(batch.add(config, input_ids=prompt))
+            results: dict[int, Any] = {}
+            while not batch.done:
+                batch.step()
+                results.update(batch.pop_finished())
+            outputs[static] = [results[i].tokens for i in ids]
+            if static:
+                assert batch.verifier is not None
+        assert outputs[True] == outputs[False], f"sampled={sampled}"
+        if not sampled:
+            assert outputs[True] == [t[len(p) :] for t, p in zip(truths, prompts, strict=True)]

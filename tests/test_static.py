@@ -397,3 +397,32 @@ def test_a_target_split_over_devices_is_refused_clearly(tiny: Any) -> None:
     target.layer_devices = lambda: two  # type: ignore[method-assign]
     with pytest.raises(InvalidArgumentError, match="on one device"):
         StaticVerifier(target, target.new_cache(256), 8, graphs=False)
+
+
+@cuda_only
+def test_batched_cuda_graphs_decode_as_the_dynamic_batch(tiny: Any, tiny_ngram_path: Any) -> None:
+    """On cuda: batched decoding through the static batch program's graphs (rows joining
+    and leaving: one graph per rows bucket, tree bucket and window) gives the dynamic
+    batch's tokens, greedy DART and AR alike (float64)."""
+    from dart_client.ngram import NGram
+
+    model, head = tiny
+    dm = DartModel(model, head, ngram=NGram.open(str(tiny_ngram_path)))
+    prompts = random_prompts(5, seed=17)
+    for mode in ("dart", "ar"):
+        outputs = {}
+        for static in (False, True):
+            batch = dm.batch_generator(mode=mode, max_batch=3, max_length=96, static=static)
+            ids = [
+                batch.add(GenerationConfig(max_new_tokens=24, tree_budget=12), input_ids=p)
+                for p in prompts
+            ]
+            results: dict[int, Any] = {}
+            while not batch.done:
+                batch.step()
+                results.update(batch.pop_finished())
+            outputs[static] = [results[i].tokens for i in ids]
+            if static:
+                assert batch.verifier is not None and batch.verifier.graphs
+                assert any(s.graphs for s in batch.verifier._state.values())
+        assert outputs[True] == outputs[False], mode

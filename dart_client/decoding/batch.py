@@ -16,6 +16,9 @@ every live row at once:
 5. emit   -- per row: length, EOS and stop strings (the single-sequence loop's own code).
 
 ``mode="ar"`` runs the same step with root-only trees: one (rows, 1) forward per step.
+On the static path (``static``; by default on cuda) steps 3-4 are one fixed-shape program
+(:mod:`dart_client.decoding.static_batch`: a CUDA graph on cuda) with greedy acceptance and
+compaction on the device.
 Rows join between steps (:meth:`add`; a prompt is prefilled alone, then copied into its
 row, so a row's cache is exactly what a lone generation's would be) and leave as soon as
 they finish or are cancelled (:meth:`cancel`; their slot is free for the next step);
@@ -44,6 +47,8 @@ from dart_client.decoding.loop import (
     new_run,
 )
 from dart_client.decoding.prune import build_trees, pruner_max_nodes
+from dart_client.decoding.static import resolve_static, static_capacity
+from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_trees
 from dart_client.errors import ContextTooLongError, InvalidArgumentError
 
@@ -65,7 +70,9 @@ class BatchGenerator:
     once, :meth:`pop_finished` the results.
 
     ``max_length`` bounds prompt + new tokens of every request (the batched caches are
-    allocated for it); ``max_batch`` bounds the live rows (more requests wait their turn).
+    allocated for it); ``max_batch`` bounds the live rows (more requests wait their turn);
+    ``static``: verify on the static path (``"auto"``: on one cuda device;
+    ``GenerationConfig.static``).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class BatchGenerator:
         mode: str = "dart",
         max_batch: int = 8,
         max_length: int = 2048,
+        static: bool | str = "auto",
     ) -> None:
         if mode not in ("dart", "ar"):
             raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
@@ -102,9 +110,14 @@ class BatchGenerator:
         # A row's tree is written at the frontier (the longest row), not at its own length.
         nodes = pruner_max_nodes(getattr(model.tree_builder, "pruner", None))
         tree = 1 + (max_length if nodes is None else min(nodes, max_length))
-        self.cache = target.new_cache(
-            max_length + (tree if self.head is not None else 1), max_batch
-        )
+        if self.head is None:
+            tree = 1
+        self.static = resolve_static(static, target.layer_devices())
+        capacity = static_capacity(max_length, tree) if self.static else max_length + tree
+        self.cache = target.new_cache(capacity, max_batch)
+        self.max_tree = tree
+        #: The static path's verifier, made at the first step (the cache's rows exist then).
+        self.verifier: StaticBatchVerifier | None = None
         self.head_cache = None
         if self.head is not None:
             capacity = self.cache.capacity + self.head.config.draft_length + tree
@@ -168,6 +181,14 @@ class BatchGenerator:
                 self._free(b)
                 return True
         return False
+
+    def _verifier(self) -> StaticBatchVerifier:
+        if self.verifier is None:
+            graphs = self.device.type == "cuda"
+            self.verifier = StaticBatchVerifier(
+                self.target, self.cache, self.max_tree, graphs=graphs
+            )
+        return self.verifier
 
     def _free(self, b: int) -> None:
         """Free row ``b``: the last live row moves into it, in the caches and here."""
@@ -266,28 +287,50 @@ class BatchGenerator:
         else:
             trees = [Tree.root_only(row.run.generated[-1]) for row in rows]
         frontier = self.cache.length
-        logits, taps = verify_trees(self.target, self.cache, trees, taps=self.head is not None)
-        forward = self.target.last_forward_seconds
-        lap("inputs")
-        stage["inputs"] -= forward
-        stage["verify"] = forward
-        accepted = []
-        for b, (row, tree) in enumerate(zip(rows, trees, strict=True)):
-            run = row.run
-            accepted.append(
-                accept_greedy(tree, logits[b])
-                if run.params.greedy
-                else accept_sampling(tree, logits[b], run.params, run.generator)
-            )
-        lap("accept")
-        self.cache.keep_rows(frontier, [a.nodes for a in accepted], self.device)
-        lap("compact")
+        row_taps: list[torch.Tensor] | None = None
+        if self.static and all(row.run.params.greedy for row in rows):
+            # One copy in, one program (forward, acceptance, compaction), one copy out.
+            verifier = self._verifier()
+            loaded = verifier.load(trees)
+            lap("inputs")
+            out = verifier.run_greedy(loaded)
+            lap("verify")
+            outcome = verifier.accepted(loaded, out, trees)
+            accepted, row_taps = outcome.acceptances, outcome.taps
+            lap("accept")
+        else:
+            if self.static:
+                logits, taps = self._verifier().forward(trees)
+                lap("verify")
+            else:
+                logits, taps = verify_trees(
+                    self.target, self.cache, trees, taps=self.head is not None
+                )
+                forward = self.target.last_forward_seconds
+                lap("inputs")
+                stage["inputs"] -= forward
+                stage["verify"] = forward
+            accepted = []
+            for b, (row, tree) in enumerate(zip(rows, trees, strict=True)):
+                run = row.run
+                accepted.append(
+                    accept_greedy(tree, logits[b])
+                    if run.params.greedy
+                    else accept_sampling(tree, logits[b], run.params, run.generator)
+                )
+            lap("accept")
+            self.cache.keep_rows(frontier, [a.nodes for a in accepted], self.device)
+            lap("compact")
+            if taps is not None and self.head is not None:
+                row_taps = []
+                for b, acc in enumerate(accepted):
+                    index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
+                    row_taps.append(taps[b].index_select(0, index))
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accepted, strict=True)):
             new = acc.new_tokens
             events.append((row.request, row.run._emit(new, len(new), len(tree), stage)))
-            if taps is not None:
-                index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
-                row.taps, row.next_ids = taps[b].index_select(0, index), new
+            if row_taps is not None and self.head is not None:
+                row.taps, row.next_ids = row_taps[b], new
         lap("emit")
         self.steps += 1
         for name, seconds in stage.items():
@@ -322,7 +365,9 @@ def generate_batch(
     limit = model.target.max_positions
     max_length = config.max_length if limit is None else min(config.max_length, limit)
     rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
-    batch = BatchGenerator(model, mode=mode, max_batch=rows, max_length=max_length)
+    batch = BatchGenerator(
+        model, mode=mode, max_batch=rows, max_length=max_length, static=config.static
+    )
     ids = []
     for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None

@@ -107,11 +107,15 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         assert self._k is not None and self._v is not None
         if self.slots is not None:
-            # No host-side length: the caller moves it once it knows what was accepted.
-            self._k.index_copy_(2, self.slots, key_states)
-            self._v.index_copy_(2, self.slots, value_states)
+            # No host-side length: the caller moves it once it knows what was accepted. A
+            # batched cache's program runs its first rows (a power of two of them).
+            k, v = self._k, self._v
+            if key_states.shape[0] != k.shape[0]:
+                k, v = k[: key_states.shape[0]], v[: key_states.shape[0]]
+            k.index_copy_(2, self.slots, key_states)
+            v.index_copy_(2, self.slots, value_states)
             window = self.window
-            return self._k[:, :, :window], self._v[:, :, :window]
+            return k[:, :, :window], v[:, :, :window]
         end = self._end(key_states.shape[-2])
         rows = self.rows
         self._k[:rows, :, self.length : end] = key_states
@@ -365,6 +369,23 @@ class TargetCache(Cache):
         if plan is not None:
             for buffer, axis in self.buffers():
                 compact_rows(buffer, axis, plan)
+        self._set_rows()
+
+    def clear_tails(self) -> None:
+        """Zero each live row's positions from its length on, and every free row's."""
+        lengths = self.rows.lengths
+        for buffer, axis in self.buffers():
+            for row, length in enumerate(lengths):
+                buffer[_at(axis, row, slice(None), slice(length, None))] = 0
+            buffer[_at(axis, slice(len(lengths), None))] = 0
+
+    def grow_rows(self, counts: Sequence[int]) -> None:
+        """After a static batched step compacted every live row's accepted nodes to its own
+        length (``dart_client.decoding.static_batch``): row b is ``counts[b]`` longer."""
+        if len(counts) != len(self.rows):
+            raise ValueError(f"{len(counts)} counts for {len(self.rows)} live rows")
+        for b, count in enumerate(counts):
+            self.rows.lengths[b] += count
         self._set_rows()
 
     @property

@@ -1,0 +1,343 @@
+"""The static path for batched decoding: many rows' trees verified in one fixed-shape program.
+
+What :class:`~dart_client.decoding.static.StaticVerifier` does for one sequence, for the
+live rows of a batched :class:`~dart_client.models.target.TargetCache`
+(:mod:`dart_client.decoding.batch`): one host-to-device copy (every row's tree, its length and
+the frontier, packed in one pinned buffer), one program (on cuda a CUDA graph), one
+device-to-host copy (every row's accepted count, bonus token and accepted path).
+
+Shapes: the live rows are padded to a power of two (at most the cache's batch), every tree to
+the bucket of the largest (:func:`~dart_client.decoding.static.bucket_sizes`), and attention
+reads a window of the cache (:func:`~dart_client.decoding.static.attention_window`) past the
+frontier (the longest row, where every row's tree is written, as on the dynamic path); one
+graph per (rows, bucket, window). Row b's node i sits at position ``length_b + depth_i`` and
+sees row b's first ``length_b`` positions and its ancestors; a padding node (or a padding
+row's) sees only itself and is never accepted.
+
+Greedy acceptance and compaction run in the program, per row: accepted node i of row b moves
+from ``frontier + i`` to ``length_b + depth_i``, rejected ones to a trash slot. With a
+sampling row in the batch the program is the padded forward alone and acceptance runs on the
+host (:meth:`StaticBatchVerifier.forward`), as on the lone static path. The head's draft
+stays on the dynamic path (its batched cache is the dynamic one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dart_client.decoding.accept import Acceptance
+from dart_client.decoding.static import attention_window, bucket_sizes
+from dart_client.errors import InvalidArgumentError
+from dart_client.models.attention import decoding_sdpa
+from dart_client.models.target import compact_rows
+
+if TYPE_CHECKING:
+    from dart_client.decoding.verify import Tree
+    from dart_client.models.target import TargetCache, TargetModel
+
+#: Words of the packed input before the rows: the frontier, the live row count.
+HEADER = 2
+
+
+def row_bucket(live: int, batch: int) -> int:
+    """The rows a program over ``live`` rows runs: the next power of two, at most ``batch``."""
+    if not 1 <= live <= batch:
+        raise InvalidArgumentError(f"{live} live rows in a batch of {batch}")
+    return min(batch, 1 << (live - 1).bit_length())
+
+
+@dataclass
+class _Bucket:
+    """One (rows, tree bucket, window)'s buffers and, on cuda, its graphs."""
+
+    rows: int
+    size: int
+    window: int
+    #: Pinned on cuda: [HEADER, lengths, tree sizes, tokens, depths, parents, mask bytes].
+    host_in: torch.Tensor
+    device_in: torch.Tensor
+    slots: torch.Tensor
+    #: [counts, bonuses, paths (rows x size)] (float64: exact for all of them).
+    host_out: torch.Tensor
+    outputs: dict[str, Any]
+    graphs: dict[str, Any]
+
+
+@dataclass
+class BatchStep:
+    """A greedy batched step's acceptances (one per live row) and each row's accepted
+    nodes' taps ``(count, 3H)`` (views of a static buffer: read them before the next step)."""
+
+    acceptances: list[Acceptance]
+    taps: list[torch.Tensor]
+
+
+class StaticBatchVerifier:
+    """Fixed-shape verification of every live row's tree over one batched cache."""
+
+    def __init__(
+        self, target: TargetModel, cache: TargetCache, max_tree: int, *, graphs: bool
+    ) -> None:
+        device = target.device
+        if graphs and device.type != "cuda":
+            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        devices = target.layer_devices()
+        if len(devices) != 1:
+            where = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"the static path needs the target on one device, not on {where} "
+                "(pass static=False)"
+            )
+        if not cache.buffers():
+            raise InvalidArgumentError("the batched cache holds no row yet (put_row first)")
+        self.target = target
+        self.cache = cache
+        self.device = device
+        self.graphs = graphs
+        self.buckets = bucket_sizes(max_tree)
+        self.capacity = cache.capacity
+        self.trash = self.capacity - 1
+        self.batch = cache.batch
+        self._state: dict[tuple[int, int, int], _Bucket] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
+        self._columns = torch.arange(self.capacity, device=device)
+        self.clear()
+
+    def clear(self) -> None:
+        """Zero every row's positions from its length on: attention reads every row of the
+        program up to the window, and a masked key weighs exactly 0 only next to finite
+        values. Once; what later forwards and copies leave there is finite."""
+        self.cache.clear_tails()
+
+    def bucket(self, n: int) -> int:
+        for size in self.buckets:
+            if size >= n:
+                return size
+        raise InvalidArgumentError(
+            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
+        )
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def greedy_step(self, trees: Sequence[Tree]) -> BatchStep:
+        """Verify every live row's tree (``trees[b]`` for row b), accept greedily and compact
+        on the device; the rows' lengths then count their accepted nodes."""
+        state = self.load(trees)
+        out = self.run_greedy(state)
+        return self.accepted(state, out, trees)
+
+    def run_greedy(self, state: _Bucket) -> dict[str, Any]:
+        return self._execute(state, "greedy")
+
+    def accepted(self, state: _Bucket, out: dict[str, Any], trees: Sequence[Tree]) -> BatchStep:
+        """The one copy out and its reading; moves each live row's length."""
+        host = state.host_out
+        host.copy_(out["result"], non_blocking=host.is_pinned())
+        if host.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()
+        values = host.numpy()
+        rows, size = state.rows, state.size
+        counts = values[:rows].astype(np.int64)
+        bonuses = values[rows : 2 * rows].astype(np.int64)
+        paths = values[2 * rows :].astype(np.int64).reshape(rows, size)
+        acceptances, taps = [], []
+        for b, tree in enumerate(trees):
+            count = int(counts[b])
+            nodes = paths[b, :count].tolist()
+            acceptances.append(
+                Acceptance(
+                    nodes=nodes, tokens=[tree.tokens[i] for i in nodes[1:]], bonus=int(bonuses[b])
+                )
+            )
+            taps.append(out["taps"][b, :count])
+        self.cache.grow_rows([len(a.nodes) for a in acceptances])
+        return BatchStep(acceptances, taps)
+
+    def forward(self, trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward alone (a batch with sampling rows accepts on the host): logits
+        ``(live, n, V)`` and taps ``(live, n, 3H)`` of the largest tree's ``n`` nodes per row
+        (a smaller tree's padding after its own), written at the frontier as
+        :func:`~dart_client.decoding.verify.verify_trees` does, for ``cache.keep_rows``."""
+        state = self.load(trees)
+        out = self._execute(state, "forward")
+        live = len(trees)
+        n = max(len(t) for t in trees)
+        return out["logits"][:live, :n], out["taps"][:live, :n]
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def load(self, trees: Sequence[Tree]) -> _Bucket:
+        """Pack every live row's tree into its bucket's host buffer; one copy to the device."""
+        live = len(trees)
+        lengths = self.cache.rows.lengths
+        if live != len(lengths):
+            raise InvalidArgumentError(f"{live} trees for {len(lengths)} live rows")
+        rows = row_bucket(live, self.batch)
+        size = self.bucket(max(len(t) for t in trees))
+        frontier = max(lengths)
+        if frontier + size > self.trash:
+            raise InvalidArgumentError(
+                f"static cache overflow: a {size}-node bucket at the frontier {frontier} needs "
+                f"more than the capacity of {self.capacity}"
+            )
+        window = attention_window(frontier + size, self.capacity)
+        key = (rows, size, window)
+        state = self._state.get(key) or self._new_bucket(rows, size, window)
+        self._pack(state, trees, frontier)
+        state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
+        return state
+
+    def _new_bucket(self, rows: int, size: int, window: int) -> _Bucket:
+        words = HEADER + 2 * rows + 3 * rows * size + math.ceil(rows * size * size / 8)
+        pinned = self.device.type == "cuda"
+        state = _Bucket(
+            rows=rows,
+            size=size,
+            window=window,
+            host_in=torch.zeros(words, dtype=torch.int64, pin_memory=pinned),
+            device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
+            slots=torch.zeros(size, dtype=torch.int64, device=self.device),
+            host_out=torch.zeros(2 * rows + rows * size, dtype=torch.float64, pin_memory=pinned),
+            outputs={},
+            graphs={},
+        )
+        self._state[(rows, size, window)] = state
+        return state
+
+    def _pack(self, state: _Bucket, trees: Sequence[Tree], frontier: int) -> None:
+        rows, size = state.rows, state.size
+        words = state.host_in.numpy()
+        words[:] = 0
+        words[0], words[1] = frontier, len(trees)
+        lengths = words[HEADER : HEADER + rows]
+        sizes = words[HEADER + rows : HEADER + 2 * rows]
+        block = HEADER + 2 * rows
+        tokens = words[block : block + rows * size].reshape(rows, size)
+        depths = words[block + rows * size : block + 2 * rows * size].reshape(rows, size)
+        parents = words[block + 2 * rows * size : block + 3 * rows * size].reshape(rows, size)
+        mask_words = words[block + 3 * rows * size :]
+        mask = mask_words.view(np.uint8)[: rows * size * size].reshape(rows, size, size)
+        # A padded node sees only itself (a well-defined softmax); nothing sees it.
+        pad = np.arange(size)
+        mask[:, pad, pad] = 1
+        for b, tree in enumerate(trees):
+            n = len(tree)
+            lengths[b] = self.cache.rows.lengths[b]
+            sizes[b] = n
+            tokens[b, :n] = tree.tokens
+            depths[b, :n] = tree.depths.numpy()
+            parents[b, 1:n] = np.asarray(tree.parents[1:], dtype=np.int64)
+            mask[b, :n, :n] = tree.mask.numpy()
+
+    # -- the device program -----------------------------------------------------------------
+
+    def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        if not self.graphs:
+            with decoding_sdpa(self.device):
+                return self._program(state, kind)
+        graph = state.graphs.get(kind)
+        if graph is None:
+            graph = self._capture(state, kind)
+        graph.replay()
+        return state.outputs[kind]
+
+    def _capture(self, state: _Bucket, kind: str) -> Any:
+        """Capture ``kind``'s program for this bucket after warm-up runs on a side stream;
+        idempotent as the lone path's (every node's K/V rewritten at the frontier before
+        compaction reads it), so warming up on the step's own inputs is harmless."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), decoding_sdpa(self.device):
+            for _ in range(2):
+                self._program(state, kind)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), decoding_sdpa(self.device):
+            state.outputs[kind] = self._program(state, kind)
+        state.graphs[kind] = graph
+        return graph
+
+    @torch.no_grad()
+    def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
+        rows, size, window = state.rows, state.size, state.window
+        words = state.device_in
+        frontier = words[0]
+        lengths = words[HEADER : HEADER + rows]
+        sizes = words[HEADER + rows : HEADER + 2 * rows]
+        block = HEADER + 2 * rows
+        tokens = words[block : block + rows * size].view(rows, size)
+        depths = words[block + rows * size : block + 2 * rows * size].view(rows, size)
+        parents = words[block + 2 * rows * size : block + 3 * rows * size].view(rows, size)
+        mask_words = words[block + 3 * rows * size :]
+        sees = mask_words.view(torch.uint8)[: rows * size * size].view(rows, size, size).bool()
+        nodes = torch.arange(size, device=self.device)
+        state.slots.copy_(nodes + frontier)
+        mask = self._mask(sees, lengths, frontier, rows, size, window)
+        self.cache.set_slots(state.slots, window)
+        try:
+            logits, taps = self.target.run(
+                tokens, depths + lengths.unsqueeze(1), mask, self.cache, taps=True
+            )
+        finally:
+            self.cache.set_slots(None)
+        assert taps is not None
+        if kind == "forward":
+            return {"logits": logits, "taps": taps}
+        # Greedy acceptance per row, as the lone program: a node is accepted when its token
+        # is the argmax at its parent, it is the first such child, and so are its ancestors.
+        best = logits.argmax(-1)
+        real = nodes.unsqueeze(0) < sizes.unsqueeze(1)
+        is_root = (nodes == 0).unsqueeze(0)
+        match = ((tokens == best.gather(1, parents)) & real) | is_root
+        candidate = torch.where(match & ~is_root, nodes.unsqueeze(0), size)
+        first = torch.full((rows, size), size, dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(1, parents, candidate, "amin")
+        match = match & ((first.gather(1, parents) == nodes.unsqueeze(0)) | is_root)
+        accepted = ~(sees & ~match.unsqueeze(1)).any(2) & real
+        count = accepted.sum(1)
+        last = torch.where(accepted, depths, -1).argmax(1, keepdim=True)
+        bonus = best.gather(1, last).squeeze(1)
+        path = torch.zeros((rows, size + 1), dtype=torch.int64, device=self.device)
+        path = path.scatter(1, torch.where(accepted, depths, size), nodes.expand(rows, size))
+        path = path[:, :size]
+        # Compaction: row b's accepted node i moves from frontier + i to length_b + depth_i.
+        plan = (
+            torch.arange(rows, device=self.device).unsqueeze(1),
+            (nodes + frontier).expand(rows, size),
+            torch.where(accepted, depths + lengths.unsqueeze(1), self.trash),
+        )
+        for buffer, axis in self.cache.buffers():
+            compact_rows(buffer, axis, plan)
+        width = taps.shape[-1]
+        return {
+            "result": torch.cat([count.double(), bonus.double(), path.flatten().double()]),
+            "taps": taps.gather(1, path.unsqueeze(2).expand(rows, size, width)),
+        }
+
+    def _mask(
+        self,
+        sees: torch.Tensor,
+        lengths: torch.Tensor,
+        frontier: torch.Tensor,
+        rows: int,
+        size: int,
+        window: int,
+    ) -> torch.Tensor:
+        """Float mask (rows, 1, size, window): row b's nodes see its first ``length_b``
+        positions and, at the frontier, the tree nodes their row of ``sees`` allows."""
+        columns = self._columns[:window]
+        offset = columns - frontier
+        in_tree = (offset >= 0) & (offset < size)
+        tree_part = sees[:, :, offset.clamp(0, size - 1)] & in_tree
+        cached = (columns.unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(1)
+        visible = cached | tree_part
+        dtype = self.target.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)
+        return mask.view(rows, 1, size, window)
