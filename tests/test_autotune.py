@@ -289,6 +289,39 @@ def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
         autotune(dm, batch=0)
 
 
+def test_a_batch_on_the_static_path_times_the_static_batch_program(
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where batched generation takes the static path (cuda; forced here, eagerly), the
+    batch tuning times its program: every budget's trees and the AR roots go through
+    StaticBatchVerifier, all rows at once, and each timed run starts from the same row
+    lengths."""
+    import dart_client.decoding.autotune as autotune_module
+    from dart_client.decoding.static_batch import StaticBatchVerifier
+
+    monkeypatch.setattr(autotune_module, "resolve_static", lambda value, devices: True)
+    seen: list[tuple[int, int, tuple[int, ...]]] = []
+    greedy_step = StaticBatchVerifier.greedy_step
+
+    def recording(self: Any, trees: Any) -> Any:
+        seen.append((len(trees), max(len(t) for t in trees), tuple(self.cache.rows.lengths)))
+        return greedy_step(self, trees)
+
+    monkeypatch.setattr(StaticBatchVerifier, "greedy_step", recording)
+    base = DartModel(target)
+    ps = prompts(2, seed=9)
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=12).tokens for p in ps]
+    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    tuning = autotune(
+        dm, prompts=ps, budgets=(2, 9), continuation_tokens=12, context_tokens=32, repeats=2,
+        batch=3,
+    )  # fmt: skip
+    assert all(p.verify_ms > 0 for p in tuning.curve) and tuning.ar_forward_ms > 0
+    # AR roots and both budgets' trees, warm-up + 2 rounds each, 3 rows at a time.
+    assert sorted({(rows, n) for rows, n, _ in seen}) == [(3, 1), (3, 3), (3, 10)]
+    assert len(seen) == 3 * 3 and len({lengths for _, _, lengths in seen}) == 1
+
+
 def test_a_batch_measures_the_largest_trees_that_fit_one_weight_pass() -> None:
     from dart_client.decoding.autotune import DEFAULT_BUDGETS, ROWS_PER_WEIGHT_PASS, batch_budgets
 

@@ -37,6 +37,7 @@ from dart_client.decoding.draft import DraftRows, draft_rows, draft_rows_batch
 from dart_client.decoding.loop import PRUNER_CONTEXT, generate
 from dart_client.decoding.prune import build_tree
 from dart_client.decoding.static import StaticVerifier, resolve_static, static_capacity
+from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_tree, verify_trees
 from dart_client.errors import InvalidArgumentError
 
@@ -587,11 +588,15 @@ def _batch_costs(
 ) -> tuple[dict[int, float], float, float]:
     """For ``batch`` rows decoded together: median milliseconds of one fused verification
     per budget (a tree of budget + 1 nodes in every row), of one fused autoregressive step,
-    and of one fused draft (the head over one new position per row)."""
+    and of one fused draft (the head over one new position per row). Where batched
+    generation takes the static path (cuda), the verifications are its program's."""
     target, head = model.target, model.head
     assert head is not None
-    single, n = _prefilled(model, context_tokens, seed)
-    cache = target.new_cache(n + 256, batch)
+    max_tree = max(budgets) + 1
+    single, n = _prefilled(model, context_tokens, seed, max_tree)
+    static = resolve_static("auto", target.layer_devices())
+    capacity = static_capacity(n + 1, max_tree) if static else n + 256
+    cache = target.new_cache(capacity, batch)
     for row in range(batch):
         cache.put_row(row, single)
     rng = np.random.default_rng(seed + 1)
@@ -600,7 +605,8 @@ def _batch_costs(
     # The head: its cache holds the context's positions (the taps of one forward over it).
     ids = torch.tensor([rng.integers(0, target.vocab_size, size=n + 1).tolist()])
     ids = ids.to(target.device)
-    _, taps = target.forward(ids[:, :n], torch.arange(n).unsqueeze(0), target.new_cache(n))
+    positions = torch.arange(n, device=target.device).unsqueeze(0)
+    _, taps = target.forward(ids[:, :n], positions, target.new_cache(n))
     assert taps is not None
     lone = head.new_cache(n + head.config.draft_length)
     head(taps.to(head.fc.weight.dtype), ids[:, 1:], lone, num_masks=0)
@@ -612,15 +618,28 @@ def _batch_costs(
     def draft() -> None:
         draft_rows_batch(head, head_cache, row_taps, [[1]] * batch, model.draft_top_k)
 
+    verifier = None
+    if static:
+        verifier = StaticBatchVerifier(target, cache, max_tree, graphs=target.device.type == "cuda")
+
     def ar_forward() -> None:
-        verify_trees(target, cache, roots, taps=False)
+        if verifier is not None:
+            verifier.greedy_step(roots)
+        else:
+            verify_trees(target, cache, roots, taps=False)
 
     def tree_forward(b: int) -> Any:
+        if verifier is not None:
+            return lambda: verifier.greedy_step(trees[b])
         return lambda: verify_trees(target, cache, trees[b])
 
+    def reset() -> None:
+        # The dynamic path moves only the frontier; the static one each row's length.
+        cache.grow_rows([n - length for length in cache.rows.lengths])
+        cache.truncate(n)
+
     runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
-    # The rows' lengths never move: only the frontier does, which truncate resets.
-    ms = _median_ms(runs, repeats, clock, lambda: cache.truncate(n))
+    ms = _median_ms(runs, repeats, clock, reset)
     return {b: ms[b] for b in budgets}, ms[-1], ms[-2]
 
 
