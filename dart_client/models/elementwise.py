@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from dart_client import _native
+from dart_client.models import gpu_kernels
 from dart_client.models.attention import MAX_QUERIES, mask_bits, small_query_attention
 from dart_client.models.attention import NAME as SMALL_QUERY_ATTENTION
 from dart_client.models.linear import (
@@ -51,6 +52,9 @@ from dart_client.models.native import bf16_bits, from_bits
 
 #: Set on a module whose forward this module replaced: its own forward, for :func:`restore`.
 _PLAIN = "_dart_plain_forward"
+#: Set on a module switched for cuda (:func:`use_native_elementwise` with ``gpu``): its
+#: cuda inputs take :mod:`dart_client.models.gpu_kernels`.
+_GPU = "_dart_gpu_kernels"
 
 
 @functools.cache
@@ -142,6 +146,8 @@ def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if _native_bf16(x, weight):
         return rms_norm(x, weight, float(self.variance_epsilon))
+    if _GPU in self.__dict__ and gpu_kernels.applies(x, weight):
+        return gpu_kernels.rms_norm(x, weight, float(self.variance_epsilon))
     return self.__dict__[_PLAIN](x)
 
 
@@ -153,6 +159,8 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if _native_bf16(gate, up):
         return self.down_proj(silu_mul(gate, up))
+    if _GPU in self.__dict__ and gpu_kernels.applies(gate, up):
+        return self.down_proj(gpu_kernels.silu_mul(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -495,7 +503,7 @@ def _lean_layer_applies(layer: nn.Module) -> bool:
     )
 
 
-def _rotary_dispatch(plain: Callable[..., Any]) -> Callable[..., Any]:
+def _rotary_dispatch(plain: Callable[..., Any], name: str) -> Callable[..., Any]:
     def apply_rotary_pos_emb(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -510,9 +518,11 @@ def _rotary_dispatch(plain: Callable[..., Any]) -> Callable[..., Any]:
             and q.dim() == k.dim() == 4
             and cos.dim() == sin.dim() == 3
             and cos.shape == sin.shape
-            and _native_bf16(q, k, cos, sin)
         ):
-            return rotary(q, cos, sin), rotary(k, cos, sin)
+            if _native_bf16(q, k, cos, sin):
+                return rotary(q, cos, sin), rotary(k, cos, sin)
+            if name in _gpu_rotary and gpu_kernels.applies(q, k, cos, sin):
+                return gpu_kernels.rotary(q, cos, sin), gpu_kernels.rotary(k, cos, sin)
         return plain(q, k, cos, sin, *args, **kw)
 
     apply_rotary_pos_emb.__wrapped__ = plain  # type: ignore[attr-defined]
@@ -521,6 +531,8 @@ def _rotary_dispatch(plain: Callable[..., Any]) -> Callable[..., Any]:
 
 #: Modeling modules whose ``apply_rotary_pos_emb`` is replaced, with the models using it.
 _rotary_users: dict[str, set[int]] = {}
+#: Those of them with a model switched for cuda, with those models.
+_gpu_rotary: dict[str, set[int]] = {}
 
 
 def is_silu(activation: Any) -> bool:
@@ -529,11 +541,12 @@ def is_silu(activation: Any) -> bool:
     return type(activation).__name__ in ("SiLU", "SiLUActivation")
 
 
-def use_native_elementwise(model: nn.Module) -> int:
+def use_native_elementwise(model: nn.Module, gpu: bool = False) -> int:
     """Replace ``model``'s Llama-code norms, SiLU MLPs and rotary embedding with the native
     kernels (only where the inputs are CPU bf16 without gradients; see the module's text), and
-    give its Llama-code decoder layers the lean forward. Returns how many modules (and rotary
-    functions) were switched; :func:`restore` undoes it."""
+    give its Llama-code decoder layers the lean forward. With ``gpu``, the same switch for a
+    cuda model: its inputs take :mod:`dart_client.models.gpu_kernels` (no lean forward).
+    Returns how many modules (and rotary functions) were switched; :func:`restore` undoes it."""
     switched = 0
     for module in model.modules():
         if _PLAIN in module.__dict__:
@@ -551,7 +564,13 @@ def use_native_elementwise(model: nn.Module) -> int:
             module.__dict__[_PLAIN] = module.forward
             module.forward = types.MethodType(_mlp_forward, module)
             switched += 1
+        else:
+            continue
+        if gpu:
+            module.__dict__[_GPU] = True
     for layer in list(model.modules()):
+        if gpu:
+            break
         if _PLAIN not in layer.__dict__ and _lean_layer_applies(layer):
             attn, mlp = layer.self_attn, layer.mlp
             layer.__dict__[_PARTS] = (
@@ -584,9 +603,11 @@ def use_native_elementwise(model: nn.Module) -> int:
         if users is None:
             if not _same_source(plain, "rotary"):
                 continue
-            modeling.apply_rotary_pos_emb = _rotary_dispatch(plain)  # type: ignore[union-attr]
+            modeling.apply_rotary_pos_emb = _rotary_dispatch(plain, name)  # type: ignore[union-attr]
             users = _rotary_users[name] = set()
         users.add(id(model))
+        if gpu:
+            _gpu_rotary.setdefault(name, set()).add(id(model))
         switched += 1
     return switched
 
@@ -596,10 +617,15 @@ def restore(model: nn.Module) -> None:
     no switched model uses its module any more)."""
     for module in model.modules():
         if module.__dict__.pop(_PLAIN, None) is not None:
+            module.__dict__.pop(_GPU, None)
             module.__dict__.pop("forward", None)
             module.__dict__.pop(_PARTS, None)
             module.__dict__.pop(_PART_HOOKS, None)
             module.__dict__.pop(_PLAN, None)
+    for name, users in list(_gpu_rotary.items()):
+        users.discard(id(model))
+        if not users:
+            del _gpu_rotary[name]
     for name, users in list(_rotary_users.items()):
         users.discard(id(model))
         if not users:

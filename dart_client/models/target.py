@@ -30,7 +30,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dart_client.errors import UnsupportedTargetError
-from dart_client.models import elementwise
+from dart_client.models import elementwise, gpu_kernels
 from dart_client.models.attention import (
     decoding_sdpa,
     restore_attention,
@@ -582,6 +582,11 @@ class TargetModel:
         self.native_elementwise = 0
         if cpu_kernels:
             self.set_cpu_kernels(True)
+        #: Modules switched to the Triton kernels on cuda (``DART_GPU_KERNELS=triton``,
+        #: :mod:`~dart_client.models.gpu_kernels`; 0: none).
+        self.gpu_kernels = 0
+        if gpu_kernels.requested() and gpu_kernels.available() and self.device.type == "cuda":
+            self.gpu_kernels = elementwise.use_native_elementwise(self.model, gpu=True)
 
     # -- properties -------------------------------------------------------------------------
 
@@ -623,6 +628,9 @@ class TargetModel:
             hook.remove()
         self._hooks = []
         self.set_cpu_kernels(False)
+        if self.gpu_kernels:
+            elementwise.restore(self.model)
+            self.gpu_kernels = 0
 
     def set_cpu_kernels(self, enabled: bool) -> None:
         """Switch the model to the CPU decoding kernels (packed linear layers, small-query

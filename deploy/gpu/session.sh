@@ -3,8 +3,8 @@
 # its own time limit and appends to one log, so a step that fails or runs long costs only itself.
 # Results (JSON, the logs) are packed into $OUT/results.tar after every step.
 #   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
-# STEP: env static bench shapes shapes-real real profile batched eagle3 generate (default: all,
-# in that order).
+# STEP: env static bench shapes shapes-real triton real profile batched eagle3 generate
+# (default: all, in that order).
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}
@@ -30,7 +30,8 @@ run() {
   case $1 in
     env) step env 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
     static) step static 120 env DART_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider \
-        tests/test_static.py tests/test_head.py tests/test_attention.py ;;
+        tests/test_static.py tests/test_head.py tests/test_attention.py tests/test_gpu_kernels.py \
+        tests/test_batch.py ;;
     bench) step bench 200 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 4 --max-new-tokens 128 --methods ar dart \
         --compare-budgets 31 60 --no-progress --output-dir "$R/bench" ;;
@@ -40,6 +41,13 @@ run() {
         --device cuda --ngram "$NG" --json "$R/shapes-smollm2.json" ;;
     shapes-real) step shapes-embedded 90 python3 -m dart_client.apps.bench.gpu_shapes \
         --base embedded --device cuda --ngram "$NG" --json "$R/shapes-embedded.json" ;;
+    triton) step triton-off 90 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
+        --device cuda --json "$R/shapes-embedded-plain.json"
+      step triton-on 120 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.gpu_shapes \
+        --base embedded --device cuda --json "$R/shapes-embedded-triton.json"
+      step bench-triton 200 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.cli \
+        --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 4 \
+        --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-triton" ;;
     real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
     profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \
@@ -55,5 +63,5 @@ run() {
     *) echo "unknown step $1"; exit 2 ;;
   esac
 }
-[ $# -gt 0 ] || set -- env static bench shapes shapes-real real profile batched eagle3 generate
+[ $# -gt 0 ] || set -- env static bench shapes shapes-real triton real profile batched eagle3 generate
 for s in "$@"; do run "$s"; done

@@ -1,0 +1,124 @@
+"""The Triton element-wise kernels for cuda (``dart_client.models.gpu_kernels``), run here
+under Triton's CPU interpreter: bf16 results equal transformers' bit for bit (norm, SiLU
+product, rotary embedding of strided heads with one or per-row tables), and a model switched
+to them decodes as the plain one. ``DART_TEST_DEVICE=cuda`` runs the same on a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import TEST_DEVICE
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+    from dart_client.models import elementwise, gpu_kernels as gk
+    from dart_client.models.target import TargetModel
+
+    device = sys.argv[1]
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        exact = dtype == torch.bfloat16
+        def same(want, got, what):
+            if exact:
+                assert torch.equal(want, got), (what, (want != got).sum().item())
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
+        x = torch.randn(3, 5, 576, device=device).to(dtype)
+        norm = LlamaRMSNorm(576, eps=1e-5).to(device=device, dtype=dtype)
+        norm.weight.data = torch.randn(576, device=device).to(dtype)
+        with torch.no_grad():
+            same(norm(x), gk.rms_norm(x, norm.weight, 1e-5), "norm")
+        g, u = (torch.randn(4, 7, 1536, device=device).to(dtype) for _ in range(2))
+        same(F.silu(g) * u, gk.silu_mul(g, u), "silu_mul")
+        q = torch.randn(2, 5, 9, 64, device=device).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 5, 3, 64, device=device).to(dtype).transpose(1, 2)
+        for rows in (1, 2):
+            cos, sin = (torch.randn(rows, 5, 64, device=device).to(dtype) for _ in range(2))
+            wq, wk = apply_rotary_pos_emb(q, k, cos, sin)
+            same(wq, gk.rotary(q, cos, sin), "rotary q")
+            same(wk, gk.rotary(k, cos, sin), "rotary k")
+
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 384, (2, 11), device=device)
+    with torch.no_grad():
+        want = model(ids).logits
+    calls = []
+    for name in ("rms_norm", "silu_mul", "rotary"):
+        kernel = getattr(gk, name)
+        def counted(*a, _k=kernel, _n=name, **kw):
+            calls.append(_n)
+            return _k(*a, **kw)
+        setattr(gk, name, counted)
+    # On the CPU (the interpreter), DART's own CPU kernels would take bf16 inputs first.
+    elementwise._native_bf16 = lambda *tensors: False
+    switched = elementwise.use_native_elementwise(model, gpu=True)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert switched >= 7 and torch.equal(want, got)
+    assert {"rms_norm", "silu_mul", "rotary"} <= set(calls), set(calls)
+    elementwise.restore(model)
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    assert not calls
+    if device == "cuda":
+        os.environ["DART_GPU_KERNELS"] = "triton"
+        target = TargetModel(model)
+        assert target.gpu_kernels > 0
+        target.close()
+        assert target.gpu_kernels == 0
+    print("OK")
+    """
+)
+
+
+def run_check(device: str, interpret: bool) -> None:
+    env = dict(os.environ)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, device],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+def test_the_kernels_compute_transformers_values_in_the_interpreter() -> None:
+    run_check("cpu", interpret=True)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="a GPU: DART_TEST_DEVICE=cuda")
+def test_the_kernels_compute_transformers_values_on_the_gpu() -> None:
+    run_check("cuda", interpret=False)
+
+
+def test_the_switch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dart_client.models import gpu_kernels
+
+    monkeypatch.delenv("DART_GPU_KERNELS", raising=False)
+    assert not gpu_kernels.requested()
+    monkeypatch.setenv("DART_GPU_KERNELS", " Triton ")
+    assert gpu_kernels.requested()
+    monkeypatch.setenv("DART_GPU_KERNELS", "off")
+    assert not gpu_kernels.requested()
