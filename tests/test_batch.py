@@ -163,7 +163,7 @@ def test_rows_join_and_leave_between_steps(static: bool, target: Any, head: Dart
     if static:
         # One program per (rows, tree bucket, window): one row and two rows both ran.
         assert batch.verifier is not None
-        assert {rows for rows, _, _ in batch.verifier._state} == {1, 2}
+        assert {key[0] for key in batch.verifier._state} == {1, 2}
     else:
         assert batch.verifier is None
 
@@ -433,3 +433,63 @@ def test_static_dart_batches_with_sampling_rows_decode_as_the_dynamic_ones(
         assert outputs[True] == outputs[False], f"sampled={sampled}"
         if not sampled:
             assert outputs[True] == [t[len(p) :] for t, p in zip(truths, prompts, strict=True)]
+
+
+class RecordingTruths(Truths):
+    """:class:`Truths` that keeps every row's draft rows, per request, in step order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[DraftRows]] = []
+
+    def build_batch(
+        self, contexts: Any, rows: Any, budgets: Any, lookup_paths: Any = None
+    ) -> list[Tree]:
+        self.seen.append(list(rows))
+        return super().build_batch(contexts, rows, budgets, lookup_paths)
+
+
+@pytest.mark.parametrize("lead", [0, 220], ids=["short", "across-a-window"])
+def test_the_static_program_drafts_what_the_dynamic_batch_drafts(
+    lead: int, target: Any, head: DartHead
+) -> None:
+    """Greedy batches on the static path draft every row's next rows inside the program
+    (accepted rows right-aligned, each row at its own head length): the same top-k ids and
+    probabilities as the dynamic batched draft at every step, rows of ragged lengths joining
+    and leaving, long accepted runs included; with 220 more prompt tokens the rows' heads
+    cross the 256-position attention window."""
+    dm = DartModel(target, head, tree_builder=None)
+    dm.draft_top_k = 5
+    filler = np.random.default_rng(45).integers(3, TINY_VOCAB, size=lead).tolist()
+    prompts = [filler + p for p in random_prompts(5, seed=44)]
+    news = [20, 6, 16, 24, 10]
+    truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
+    seen = {}
+    for static in (False, True):
+        builder = RecordingTruths(truths, seed=5)
+        dm.tree_builder = builder
+        batch = dm.batch_generator(max_batch=3, max_length=lead + 64, static=static)
+        ids = [
+            batch.add(GenerationConfig(max_new_tokens=n, tree_budget=10), input_ids=p)
+            for p, n in zip(prompts, news, strict=True)
+        ]
+        results: dict[int, Any] = {}
+        while not batch.done:
+            batch.step()
+            results.update(batch.pop_finished())
+        for i, truth, prompt in zip(ids, truths, prompts, strict=True):
+            assert results[i].tokens == truth[len(prompt) :]
+        seen[static] = builder.seen
+        if static:
+            assert batch.verifier is not None and batch.verifier.head is not None
+            head_windows = {key[3] for key in batch.verifier._state}
+            assert len(head_windows) == (2 if lead else 1), head_windows
+    assert len(seen[True]) == len(seen[False]) >= 6
+    steps = 0
+    for got_step, want_step in zip(seen[True], seen[False], strict=True):
+        assert len(got_step) == len(want_step)
+        for got, want in zip(got_step, want_step, strict=True):
+            np.testing.assert_array_equal(got.ids, want.ids)
+            np.testing.assert_allclose(got.probs, want.probs, rtol=1e-5, atol=1e-6)
+            steps += 1
+    assert steps > 15

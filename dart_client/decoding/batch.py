@@ -60,9 +60,11 @@ class _Row:
     request: int
     run: _Run
     start: float
-    #: The last forward's taps at the accepted positions (r, 3H) and the tokens after them.
+    #: The last forward's taps at the accepted positions (r, 3H) and the tokens after them,
+    #: for the next draft; or, where the static program drafted already, its rows.
     taps: torch.Tensor | None = None
     next_ids: list[int] | None = None
+    rows: DraftRows | None = None
 
 
 class BatchGenerator:
@@ -186,7 +188,13 @@ class BatchGenerator:
         if self.verifier is None:
             graphs = self.device.type == "cuda"
             self.verifier = StaticBatchVerifier(
-                self.target, self.cache, self.max_tree, graphs=graphs
+                self.target,
+                self.cache,
+                self.max_tree,
+                graphs=graphs,
+                head=self.head,
+                head_cache=self.head_cache,
+                top_k=self.model.draft_top_k,
             )
         return self.verifier
 
@@ -264,13 +272,26 @@ class BatchGenerator:
         budgets = [row.run.tree_budget_now() for row in rows]
         if self.head is not None:
             assert self.head_cache is not None
-            drafts: list[DraftRows] = draft_rows_batch(
-                self.head,
-                self.head_cache,
-                [r.taps for r in rows if r.taps is not None],
-                [r.next_ids for r in rows if r.next_ids is not None],
-                self.model.draft_top_k,
-            )
+            pending = [row.taps is not None for row in rows]
+            if any(pending):
+                # One head forward for the rows with new positions; a row the static program
+                # drafted already brings none (its output is not used).
+                some = next(row.taps for row in rows if row.taps is not None)
+                none = some.new_empty((0, some.shape[-1]))
+                drafted = draft_rows_batch(
+                    self.head,
+                    self.head_cache,
+                    [row.taps if row.taps is not None else none for row in rows],
+                    [row.next_ids or [] if row.taps is not None else [] for row in rows],
+                    self.model.draft_top_k,
+                )
+                for row, fresh, was_pending in zip(rows, drafted, pending, strict=True):
+                    if was_pending:
+                        row.rows, row.taps, row.next_ids = fresh, None, None
+            drafts: list[DraftRows] = []
+            for row in rows:
+                assert row.rows is not None
+                drafts.append(row.rows)
             lap("draft")
             inputs = [
                 row.run.pruner_inputs(max(b, 0)) for row, b in zip(rows, budgets, strict=True)
@@ -297,6 +318,11 @@ class BatchGenerator:
             lap("verify")
             outcome = verifier.accepted(loaded, out, trees)
             accepted, row_taps = outcome.acceptances, outcome.taps
+            if outcome.rows is not None:
+                # Drafted in the same program: the next step prunes these.
+                for row, fresh in zip(rows, outcome.rows, strict=True):
+                    row.rows = fresh
+                row_taps = None
             lap("accept")
         else:
             if self.static:
@@ -330,7 +356,7 @@ class BatchGenerator:
             new = acc.new_tokens
             events.append((row.request, row.run._emit(new, len(new), len(tree), stage)))
             if row_taps is not None and self.head is not None:
-                row.taps, row.next_ids = row_taps[b], new
+                row.taps, row.next_ids, row.rows = row_taps[b], new, None
         lap("emit")
         self.steps += 1
         for name, seconds in stage.items():

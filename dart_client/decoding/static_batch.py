@@ -17,8 +17,15 @@ row's) sees only itself and is never accepted.
 Greedy acceptance and compaction run in the program, per row: accepted node i of row b moves
 from ``frontier + i`` to ``length_b + depth_i``, rejected ones to a trash slot. With a
 sampling row in the batch the program is the padded forward alone and acceptance runs on the
-host (:meth:`StaticBatchVerifier.forward`), as on the lone static path. The head's draft
-stays on the dynamic path (its batched cache is the dynamic one).
+host (:meth:`StaticBatchVerifier.forward`), as on the lone static path.
+
+With a ``head``, a greedy step also drafts every row's next rows in the same program, from
+its accepted nodes, over the batched head cache: row b's accepted rows right-aligned in a
+bucket of rows (so its last real row and the mask slots are the layer's last rows, as the
+dynamic draft has them) at positions ``head_length_b + depth``, its mask slots after them,
+each row writing its own cache positions; the top-k ids and probabilities come back in the
+same copy out. A step with a sampling row drafts on the dynamic path
+(:func:`~dart_client.decoding.draft.draft_rows_batch`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 
 from dart_client.decoding.accept import Acceptance
+from dart_client.decoding.draft import DraftRows
 from dart_client.decoding.static import attention_window, bucket_sizes
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.attention import decoding_sdpa
@@ -39,6 +47,7 @@ from dart_client.models.target import compact_rows
 
 if TYPE_CHECKING:
     from dart_client.decoding.verify import Tree
+    from dart_client.models.head import DartHead, HeadCache
     from dart_client.models.target import TargetCache, TargetModel
 
 #: Words of the packed input before the rows: the frontier, the live row count.
@@ -59,11 +68,15 @@ class _Bucket:
     rows: int
     size: int
     window: int
-    #: Pinned on cuda: [HEADER, lengths, tree sizes, tokens, depths, parents, mask bytes].
+    #: Positions of the head's cache its attention reads (0 without a head).
+    head_window: int
+    #: Pinned on cuda: [HEADER, lengths, tree sizes, head lengths, tokens, depths, parents,
+    #: mask bytes].
     host_in: torch.Tensor
     device_in: torch.Tensor
     slots: torch.Tensor
-    #: [counts, bonuses, paths (rows x size)] (float64: exact for all of them).
+    #: [counts, bonuses, paths (rows x size), draft ids, draft probabilities (rows x
+    #: (masks + 1) x k each)] (float64: exact for all of them).
     host_out: torch.Tensor
     outputs: dict[str, Any]
     graphs: dict[str, Any]
@@ -71,19 +84,31 @@ class _Bucket:
 
 @dataclass
 class BatchStep:
-    """A greedy batched step's acceptances (one per live row) and each row's accepted
-    nodes' taps ``(count, 3H)`` (views of a static buffer: read them before the next step)."""
+    """A greedy batched step's acceptances (one per live row), each row's accepted nodes'
+    taps ``(count, 3H)`` (views of a static buffer: read them before the next step) and,
+    with a head, each row's next draft rows (drafted in the same program)."""
 
     acceptances: list[Acceptance]
     taps: list[torch.Tensor]
+    rows: list[DraftRows] | None = None
 
 
 class StaticBatchVerifier:
     """Fixed-shape verification of every live row's tree over one batched cache."""
 
     def __init__(
-        self, target: TargetModel, cache: TargetCache, max_tree: int, *, graphs: bool
+        self,
+        target: TargetModel,
+        cache: TargetCache,
+        max_tree: int,
+        *,
+        graphs: bool,
+        head: DartHead | None = None,
+        head_cache: HeadCache | None = None,
+        top_k: int = 0,
     ) -> None:
+        """``head`` / ``head_cache`` / ``top_k``: draft every row's next rows in the greedy
+        program, over the batched ``head_cache`` (its rows those of ``cache``)."""
         device = target.device
         if graphs and device.type != "cuda":
             raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
@@ -104,15 +129,31 @@ class StaticBatchVerifier:
         self.capacity = cache.capacity
         self.trash = self.capacity - 1
         self.batch = cache.batch
-        self._state: dict[tuple[int, int, int], _Bucket] = {}
+        self._state: dict[tuple[int, int, int, int], _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         self._columns = torch.arange(self.capacity, device=device)
+        self.head = head
+        self.head_cache = head_cache
+        if head is not None:
+            if head_cache is None or top_k < 1:
+                raise InvalidArgumentError("drafting in the program needs a head cache and k >= 1")
+            self.top_k = min(top_k, head.config.draft_vocab_size)
+            self.masks = head.config.draft_length
+            self.head_trash = head_cache.capacity - 1
+            self._head_columns = torch.arange(head_cache.capacity, device=device)
+            dtype = head.fc.weight.dtype
+            cos, sin = head.rope(
+                0, head_cache.capacity, torch.empty((), dtype=dtype, device=device)
+            )
+            self._rope = (cos[0], sin[0])
+            self._draft_to_target = head.draft_to_target
         self.clear()
 
     def clear(self) -> None:
         """Zero every row's positions from its length on: attention reads every row of the
         program up to the window, and a masked key weighs exactly 0 only next to finite
-        values. Once; what later forwards and copies leave there is finite."""
+        values. Once; what later forwards and copies leave there is finite (the head's
+        cache is allocated zeroed)."""
         self.cache.clear_tails()
 
     def bucket(self, n: int) -> int:
@@ -145,7 +186,15 @@ class StaticBatchVerifier:
         rows, size = state.rows, state.size
         counts = values[:rows].astype(np.int64)
         bonuses = values[rows : 2 * rows].astype(np.int64)
-        paths = values[2 * rows :].astype(np.int64).reshape(rows, size)
+        paths = values[2 * rows : 2 * rows + rows * size].astype(np.int64).reshape(rows, size)
+        drafted = None
+        if self.head is not None:
+            shape = (rows, self.masks + 1, self.top_k)
+            cells = shape[0] * shape[1] * shape[2]
+            start = 2 * rows + rows * size
+            ids = values[start : start + cells].astype(np.int64).reshape(shape)
+            probs = values[start + cells : start + 2 * cells].astype(np.float32).reshape(shape)
+            drafted = [DraftRows(ids=ids[b], probs=probs[b]) for b in range(len(trees))]
         acceptances, taps = [], []
         for b, tree in enumerate(trees):
             count = int(counts[b])
@@ -156,8 +205,11 @@ class StaticBatchVerifier:
                 )
             )
             taps.append(out["taps"][b, :count])
-        self.cache.grow_rows([len(a.nodes) for a in acceptances])
-        return BatchStep(acceptances, taps)
+        counts_live = [len(a.nodes) for a in acceptances]
+        self.cache.grow_rows(counts_live)
+        if self.head_cache is not None and drafted is not None:
+            self.head_cache.grow_rows(counts_live)
+        return BatchStep(acceptances, taps, drafted)
 
     def forward(self, trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward alone (a batch with sampling rows accepts on the host): logits
@@ -187,27 +239,40 @@ class StaticBatchVerifier:
                 f"more than the capacity of {self.capacity}"
             )
         window = attention_window(frontier + size, self.capacity)
-        key = (rows, size, window)
-        state = self._state.get(key) or self._new_bucket(rows, size, window)
+        head_window = 0
+        if self.head_cache is not None:
+            head_end = max(self.head_cache.rows.lengths) + size + self.masks
+            if head_end > self.head_trash:
+                raise InvalidArgumentError(
+                    f"static head cache overflow: {head_end} positions for a capacity of "
+                    f"{self.head_cache.capacity}"
+                )
+            head_window = attention_window(head_end, self.head_cache.capacity)
+        key = (rows, size, window, head_window)
+        state = self._state.get(key) or self._new_bucket(rows, size, window, head_window)
         self._pack(state, trees, frontier)
         state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
         return state
 
-    def _new_bucket(self, rows: int, size: int, window: int) -> _Bucket:
-        words = HEADER + 2 * rows + 3 * rows * size + math.ceil(rows * size * size / 8)
+    def _new_bucket(self, rows: int, size: int, window: int, head_window: int) -> _Bucket:
+        words = HEADER + 3 * rows + 3 * rows * size + math.ceil(rows * size * size / 8)
         pinned = self.device.type == "cuda"
+        drafted = 0 if self.head is None else 2 * rows * (self.masks + 1) * self.top_k
         state = _Bucket(
             rows=rows,
             size=size,
             window=window,
+            head_window=head_window,
             host_in=torch.zeros(words, dtype=torch.int64, pin_memory=pinned),
             device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
             slots=torch.zeros(size, dtype=torch.int64, device=self.device),
-            host_out=torch.zeros(2 * rows + rows * size, dtype=torch.float64, pin_memory=pinned),
+            host_out=torch.zeros(
+                2 * rows + rows * size + drafted, dtype=torch.float64, pin_memory=pinned
+            ),
             outputs={},
             graphs={},
         )
-        self._state[(rows, size, window)] = state
+        self._state[(rows, size, window, head_window)] = state
         return state
 
     def _pack(self, state: _Bucket, trees: Sequence[Tree], frontier: int) -> None:
@@ -217,7 +282,8 @@ class StaticBatchVerifier:
         words[0], words[1] = frontier, len(trees)
         lengths = words[HEADER : HEADER + rows]
         sizes = words[HEADER + rows : HEADER + 2 * rows]
-        block = HEADER + 2 * rows
+        head_lengths = words[HEADER + 2 * rows : HEADER + 3 * rows]
+        block = HEADER + 3 * rows
         tokens = words[block : block + rows * size].reshape(rows, size)
         depths = words[block + rows * size : block + 2 * rows * size].reshape(rows, size)
         parents = words[block + 2 * rows * size : block + 3 * rows * size].reshape(rows, size)
@@ -229,6 +295,8 @@ class StaticBatchVerifier:
         for b, tree in enumerate(trees):
             n = len(tree)
             lengths[b] = self.cache.rows.lengths[b]
+            if self.head_cache is not None:
+                head_lengths[b] = self.head_cache.rows.lengths[b]
             sizes[b] = n
             tokens[b, :n] = tree.tokens
             depths[b, :n] = tree.depths.numpy()
@@ -270,7 +338,8 @@ class StaticBatchVerifier:
         frontier = words[0]
         lengths = words[HEADER : HEADER + rows]
         sizes = words[HEADER + rows : HEADER + 2 * rows]
-        block = HEADER + 2 * rows
+        head_lengths = words[HEADER + 2 * rows : HEADER + 3 * rows]
+        block = HEADER + 3 * rows
         tokens = words[block : block + rows * size].view(rows, size)
         depths = words[block + rows * size : block + 2 * rows * size].view(rows, size)
         parents = words[block + 2 * rows * size : block + 3 * rows * size].view(rows, size)
@@ -315,10 +384,70 @@ class StaticBatchVerifier:
         for buffer, axis in self.cache.buffers():
             compact_rows(buffer, axis, plan)
         width = taps.shape[-1]
+        parts = [count.double(), bonus.double(), path.flatten().double()]
+        if self.head is not None:
+            ids, probs = self._draft(state, taps, tokens, path, count, bonus, head_lengths)
+            parts += [ids.flatten().double(), probs.flatten().double()]
         return {
-            "result": torch.cat([count.double(), bonus.double(), path.flatten().double()]),
+            "result": torch.cat(parts),
             "taps": taps.gather(1, path.unsqueeze(2).expand(rows, size, width)),
         }
+
+    def _draft(
+        self,
+        state: _Bucket,
+        taps: torch.Tensor,
+        tokens: torch.Tensor,
+        path: torch.Tensor,
+        count: torch.Tensor,
+        bonus: torch.Tensor,
+        head_lengths: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's next draft from its accepted nodes, as the lone static draft makes
+        it (``StaticVerifier._draft``), each row at its own head length: the top-k target
+        ids and probabilities ``(rows, masks + 1, k)``."""
+        head, head_cache = self.head, self.head_cache
+        assert head is not None and head_cache is not None
+        rows, size, masks = state.rows, state.size, self.masks
+        column = torch.arange(size, device=self.device).unsqueeze(0)
+        depth = column - (size - count.unsqueeze(1))  # (rows, size); < 0: padding
+        real = depth >= 0
+        at = depth.clamp(min=0)
+        nodes = path.gather(1, at)
+        width = taps.shape[-1]
+        row_taps = taps.gather(1, nodes.unsqueeze(2).expand(rows, size, width))
+        path_tokens = tokens.gather(1, path)
+        following = path_tokens.gather(1, (at + 1).clamp(max=size - 1))
+        next_ids = torch.where(depth < count.unsqueeze(1) - 1, following, bonus.unsqueeze(1))
+        base = head_lengths.unsqueeze(1)
+        slot = torch.arange(masks, device=self.device).unsqueeze(0)
+        positions = torch.cat(
+            [torch.where(real, base + depth, 0), base + count.unsqueeze(1) + slot], 1
+        )
+        slots = torch.cat([torch.where(real, base + depth, self.head_trash), base + size + slot], 1)
+        columns = self._head_columns[: state.head_window].view(1, 1, -1)
+        real_sees = torch.where(
+            real.unsqueeze(2), columns <= (base + depth).unsqueeze(2), columns == 0
+        )
+        mask_sees = (columns < (base + count.unsqueeze(1)).unsqueeze(2)) | (
+            (columns >= (base + size).unsqueeze(2)) & (columns <= (base + size + slot).unsqueeze(2))
+        )
+        visible = torch.cat([real_sees, mask_sees], 1)
+        dtype = head.fc.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+        cos, sin = self._rope
+        head_cache.slots, head_cache.window = slots, state.head_window
+        try:
+            projected = head.project_taps(row_taps.to(dtype))
+            logits = head.draft_logits(
+                projected, next_ids, head_cache, (cos[positions], sin[positions]), mask, masks
+            )
+        finally:
+            head_cache.slots, head_cache.window = None, None
+        top = torch.topk(logits, self.top_k, dim=-1)
+        probs = torch.softmax(top.values.float(), dim=-1)
+        return self._draft_to_target[top.indices], probs
 
     def _mask(
         self,

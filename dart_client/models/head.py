@@ -495,10 +495,19 @@ class HeadCache:
             self._allocate(k, v, k.shape[0])
         assert self._k is not None and self._v is not None
         if self.slots is not None:
-            # Static mode: no host-side length (the caller sets it once it is known).
-            self._k.index_copy_(2, self.slots, k)
-            self._v.index_copy_(2, self.slots, v)
-            return self._k[:, :, : self.window], self._v[:, :, : self.window]
+            # Static mode: no host-side length (the caller sets it once it is known). A
+            # batched cache's program runs its first rows, each at its own slots (rows, n).
+            keys, values = self._k, self._v
+            if k.shape[0] != keys.shape[0]:
+                keys, values = keys[: k.shape[0]], values[: k.shape[0]]
+            if self.slots.dim() == 1:
+                keys.index_copy_(2, self.slots, k)
+                values.index_copy_(2, self.slots, v)
+            else:
+                index = self.slots[:, None, :, None]
+                keys.scatter_(2, index.expand(k.shape), k)
+                values.scatter_(2, index.expand(v.shape), v)
+            return keys[:, :, : self.window], values[:, :, : self.window]
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(
@@ -524,6 +533,15 @@ class HeadCache:
     def _set_rows(self) -> None:
         self._live = len(self.rows)
         self.length = self.rows.frontier
+
+    def grow_rows(self, counts: Sequence[int]) -> None:
+        """After a static batched draft wrote every live row's new real positions at its own
+        length: row b is ``counts[b]`` longer."""
+        if len(counts) != len(self.rows):
+            raise ValueError(f"{len(counts)} counts for {len(self.rows)} live rows")
+        for b, count in enumerate(counts):
+            self.rows.lengths[b] += count
+        self._set_rows()
 
     def put_row(self, row: int, source: HeadCache) -> None:
         """Copy ``source`` (one sequence) into ``row``: a live row or the next free one."""
