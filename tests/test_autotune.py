@@ -293,18 +293,20 @@ def test_a_batch_on_the_static_path_times_the_static_batch_program(
     target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where batched generation takes the static path (cuda; forced here, eagerly), the
-    batch tuning times its program: every budget's trees and the AR roots go through
+    batch tuning times its program: every budget's trees (drafting every row's next rows in
+    it, so no separate draft is booked) and the AR roots (no head) go through
     StaticBatchVerifier, all rows at once, and each timed run starts from the same row
     lengths."""
     import dart_client.decoding.autotune as autotune_module
     from dart_client.decoding.static_batch import StaticBatchVerifier
 
     monkeypatch.setattr(autotune_module, "resolve_static", lambda value, devices: True)
-    seen: list[tuple[int, int, tuple[int, ...]]] = []
+    seen: list[tuple[int, int, bool, tuple[int, ...]]] = []
     greedy_step = StaticBatchVerifier.greedy_step
 
     def recording(self: Any, trees: Any) -> Any:
-        seen.append((len(trees), max(len(t) for t in trees), tuple(self.cache.rows.lengths)))
+        lengths = tuple(self.cache.rows.lengths)
+        seen.append((len(trees), max(len(t) for t in trees), self.head is not None, lengths))
         return greedy_step(self, trees)
 
     monkeypatch.setattr(StaticBatchVerifier, "greedy_step", recording)
@@ -316,10 +318,15 @@ def test_a_batch_on_the_static_path_times_the_static_batch_program(
         dm, prompts=ps, budgets=(2, 9), continuation_tokens=12, context_tokens=32, repeats=2,
         batch=3,
     )  # fmt: skip
-    assert all(p.verify_ms > 0 for p in tuning.curve) and tuning.ar_forward_ms > 0
-    # AR roots and both budgets' trees, warm-up + 2 rounds each, 3 rows at a time.
-    assert sorted({(rows, n) for rows, n, _ in seen}) == [(3, 1), (3, 3), (3, 10)]
-    assert len(seen) == 3 * 3 and len({lengths for _, _, lengths in seen}) == 1
+    assert all(p.verify_ms > 0 and p.draft_ms == 0 for p in tuning.curve)
+    assert tuning.ar_forward_ms > 0
+    assert any("drafts inside each verification replay" in n for n in tuning.notes)
+    # AR roots (no head) and both budgets' trees (drafting), warm-up + 2 rounds each, 3 rows
+    # at a time, each from the same row lengths.
+    assert sorted({(rows, n, head) for rows, n, head, _ in seen}) == [
+        (3, 1, False), (3, 3, True), (3, 10, True)
+    ]  # fmt: skip
+    assert len(seen) == 3 * 3 and len({lengths for *_, lengths in seen}) == 1
 
 
 def test_a_batch_measures_the_largest_trees_that_fit_one_weight_pass() -> None:

@@ -237,13 +237,14 @@ def autotune(
         draft_ms = 1e3 * statistics.median(draft_times) if draft_times else 0.0
         if drafts_in_verify:
             draft_ms = 0.0
-            notes.append(
-                "static path: the head drafts inside each verification replay (its time is "
-                "in verify ms)"
-            )
     else:
-        verify, ar_ms, draft_ms = _batch_costs(
+        verify, ar_ms, draft_ms, drafts_in_verify = _batch_costs(
             model, clean, context_tokens, repeats, clock, seed, batch
+        )
+    if drafts_in_verify:
+        notes.append(
+            "static path: the head drafts inside each verification replay (its time is in "
+            "verify ms)"
         )
     curve = []
     for b in clean:
@@ -585,11 +586,13 @@ def _batch_costs(
     clock: _Clock,
     seed: int,
     batch: int,
-) -> tuple[dict[int, float], float, float]:
+) -> tuple[dict[int, float], float, float, bool]:
     """For ``batch`` rows decoded together: median milliseconds of one fused verification
     per budget (a tree of budget + 1 nodes in every row), of one fused autoregressive step,
-    and of one fused draft (the head over one new position per row). Where batched
-    generation takes the static path (cuda), the verifications are its program's."""
+    and of one fused draft (the head over one new position per row), and whether the
+    verifications include the draft. Where batched generation takes the static path (cuda),
+    the verifications are its program's, which drafts every row's next rows too (the draft
+    is then 0)."""
     target, head = model.target, model.head
     assert head is not None
     max_tree = max(budgets) + 1
@@ -610,7 +613,11 @@ def _batch_costs(
     assert taps is not None
     lone = head.new_cache(n + head.config.draft_length)
     head(taps.to(head.fc.weight.dtype), ids[:, 1:], lone, num_masks=0)
-    head_cache = head.new_cache(n + 4 * repeats + 2 * head.config.draft_length + 8, batch)
+    masks = head.config.draft_length
+    head_capacity = n + 4 * repeats + 2 * masks + 8
+    if static:  # a padded tree's rows and the mask slots after them, and a trash slot
+        head_capacity = static_capacity(n + masks, max_tree)
+    head_cache = head.new_cache(head_capacity, batch)
     for row in range(batch):
         head_cache.put_row(row, lone)
     row_taps = [taps[0, -1:]] * batch
@@ -618,13 +625,23 @@ def _batch_costs(
     def draft() -> None:
         draft_rows_batch(head, head_cache, row_taps, [[1]] * batch, model.draft_top_k)
 
-    verifier = None
+    verifier = one_token = None
     if static:
-        verifier = StaticBatchVerifier(target, cache, max_tree, graphs=target.device.type == "cuda")
+        # Autoregressive steps draft nothing: the roots run a program without the head.
+        one_token = StaticBatchVerifier(target, cache, 1, graphs=target.device.type == "cuda")
+        verifier = StaticBatchVerifier(
+            target,
+            cache,
+            max_tree,
+            graphs=target.device.type == "cuda",
+            head=head,
+            head_cache=head_cache,
+            top_k=model.draft_top_k,
+        )
 
     def ar_forward() -> None:
-        if verifier is not None:
-            verifier.greedy_step(roots)
+        if one_token is not None:
+            one_token.greedy_step(roots)
         else:
             verify_trees(target, cache, roots, taps=False)
 
@@ -634,13 +651,18 @@ def _batch_costs(
         return lambda: verify_trees(target, cache, trees[b])
 
     def reset() -> None:
-        # The dynamic path moves only the frontier; the static one each row's length.
+        # The dynamic path moves only the frontier; the static one each row's length (and
+        # the head's rows, which its program drafts over).
         cache.grow_rows([n - length for length in cache.rows.lengths])
         cache.truncate(n)
+        if verifier is not None:
+            head_cache.grow_rows([n - length for length in head_cache.rows.lengths])
 
-    runs: dict[int, Any] = {-2: draft, -1: ar_forward, **{b: tree_forward(b) for b in budgets}}
+    runs: dict[int, Any] = {-1: ar_forward, **{b: tree_forward(b) for b in budgets}}
+    if verifier is None:
+        runs[-2] = draft
     ms = _median_ms(runs, repeats, clock, reset)
-    return {b: ms[b] for b in budgets}, ms[-1], ms[-2]
+    return {b: ms[b] for b in budgets}, ms[-1], ms.get(-2, 0.0), verifier is not None
 
 
 # -- the tuning cache ---------------------------------------------------------------------------
