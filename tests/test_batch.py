@@ -80,6 +80,15 @@ class Truths:
         return [self.build(c, r, b) for c, r, b in zip(contexts, rows, budgets, strict=True)]
 
 
+def drain(batch: Any) -> dict[int, Any]:
+    """Step a batch generator until nothing is live or waiting: the results by request."""
+    results: dict[int, Any] = {}
+    while not batch.done:
+        batch.step()
+        results.update(batch.pop_finished())
+    return results
+
+
 def alone(dm: DartModel, prompt: Sequence[int], mode: str, **kwargs: Any) -> list[int]:
     return dm.generate(input_ids=list(prompt), mode=mode, **kwargs).tokens
 
@@ -423,10 +432,7 @@ def test_static_dart_batches_with_sampling_rows_decode_as_the_dynamic_ones(
                 t = temperatures[i] if sampled else 0.0
                 config = GenerationConfig(max_new_tokens=16, temperature=t, seed=i, tree_budget=8)
                 ids.append(batch.add(config, input_ids=prompt))
-            results: dict[int, Any] = {}
-            while not batch.done:
-                batch.step()
-                results.update(batch.pop_finished())
+            results = drain(batch)
             outputs[static] = [results[i].tokens for i in ids]
             if static:
                 assert batch.verifier is not None
@@ -473,10 +479,7 @@ def test_the_static_program_drafts_what_the_dynamic_batch_drafts(
             batch.add(GenerationConfig(max_new_tokens=n, tree_budget=10), input_ids=p)
             for p, n in zip(prompts, news, strict=True)
         ]
-        results: dict[int, Any] = {}
-        while not batch.done:
-            batch.step()
-            results.update(batch.pop_finished())
+        results = drain(batch)
         for i, truth, prompt in zip(ids, truths, prompts, strict=True):
             assert results[i].tokens == truth[len(prompt) :]
         seen[static] = builder.seen

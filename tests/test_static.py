@@ -19,6 +19,7 @@ from conftest import (
     make_tiny_target,
     make_tiny_tokenizer,
 )
+from test_batch import drain
 from test_generate import OracleTree, hf_greedy, random_prompts, run_oracle
 
 from dart_client import DartModel, ar_generate, dart_generate
@@ -417,10 +418,7 @@ def test_batched_cuda_graphs_decode_as_the_dynamic_batch(tiny: Any, tiny_ngram_p
                 batch.add(GenerationConfig(max_new_tokens=24, tree_budget=12), input_ids=p)
                 for p in prompts
             ]
-            results: dict[int, Any] = {}
-            while not batch.done:
-                batch.step()
-                results.update(batch.pop_finished())
+            results = drain(batch)
             outputs[static] = [results[i].tokens for i in ids]
             if static:
                 assert batch.verifier is not None and batch.verifier.graphs

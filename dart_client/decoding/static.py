@@ -117,7 +117,6 @@ class _Bucket:
     host_in: torch.Tensor
     device_in: torch.Tensor
     slots: torch.Tensor  # the target cache positions the forward writes
-    head_slots: torch.Tensor | None  # the head cache positions its draft writes
     #: [count, bonus, path nodes, draft ids, draft probs] (float64: exact for all of them).
     host_out: torch.Tensor
     outputs: dict[str, Any]
@@ -135,7 +134,180 @@ class StaticStep:
     rows: DraftRows | None = None
 
 
-class StaticVerifier:
+def greedy_acceptance(
+    best: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    sees: torch.Tensor,
+    real: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of padded trees on the device, a row of trees at once: a node is
+    accepted when its token is the target's argmax (``best``) at its parent, it is the first
+    such child (as the host walk takes it), and so are all of its ancestors; a node that is
+    not ``real`` (padding) never is. ``best``, ``tokens``, ``parents``, ``depths``, ``real``
+    ``(rows, size)``, ``sees`` ``(rows, size, size)`` (row i: node i's ancestors and itself).
+    Returns the accepted nodes ``(rows, size)``, their count and the bonus token ``(rows,)``
+    and the accepted path in depth order ``(rows, size)``."""
+    rows, size = tokens.shape
+    nodes = torch.arange(size, device=tokens.device).unsqueeze(0)
+    is_root = nodes == 0
+    match = ((tokens == best.gather(1, parents)) & real) | is_root
+    candidate = torch.where(match & ~is_root, nodes, size)
+    first = torch.full((rows, size), size, dtype=torch.int64, device=tokens.device)
+    first = first.scatter_reduce(1, parents, candidate, "amin")
+    match = match & ((first.gather(1, parents) == nodes) | is_root)
+    accepted = ~(sees & ~match.unsqueeze(1)).any(2) & real
+    count = accepted.sum(1)
+    last = torch.where(accepted, depths, -1).argmax(1, keepdim=True)
+    bonus = best.gather(1, last).squeeze(1)
+    # Rejected nodes land in a spare last entry.
+    path = torch.zeros((rows, size + 1), dtype=torch.int64, device=tokens.device)
+    path = path.scatter(1, torch.where(accepted, depths, size), nodes.expand(rows, size))
+    return accepted, count, bonus, path[:, :size]
+
+
+class StaticPrograms:
+    """What the static verifiers share: their fixed-shape programs run eagerly or, on cuda,
+    captured once per bucket and kind as a CUDA graph and replayed; and the head's draft
+    inside a greedy program (:meth:`_draft`), set up by :meth:`_draft_with`."""
+
+    device: torch.device
+    graphs: bool
+    _pool: Any
+    head: DartHead | None
+    head_cache: HeadCache | None
+
+    def _program(self, state: Any, kind: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _take(self, target: TargetModel, graphs: bool) -> None:
+        """Run on ``target``'s device (one device; CUDA graphs on cuda only)."""
+        device = target.device
+        if graphs and device.type != "cuda":
+            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
+        devices = target.layer_devices()
+        if len(devices) != 1:
+            where = ", ".join(sorted(map(str, devices)))
+            raise InvalidArgumentError(
+                f"the static path needs the target on one device, not on {where} "
+                "(pass static=False)"
+            )
+        self.device, self.graphs = device, graphs
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def _execute(self, state: Any, kind: str) -> dict[str, Any]:
+        if not self.graphs:
+            with decoding_sdpa(self.device):
+                return self._program(state, kind)
+        graph = state.graphs.get(kind)
+        if graph is None:
+            graph = self._capture(state, kind)
+        graph.replay()
+        return state.outputs[kind]
+
+    def _capture(self, state: Any, kind: str) -> Any:
+        """Capture ``kind``'s program for this bucket, after warm-up runs on a side stream
+        (as CUDA graphs require). The warm-ups run on the inputs just loaded, which is
+        harmless: the program is idempotent (it rewrites every node's K/V at and after the
+        length before it compacts, and reads nothing else there), so the replay that
+        follows leaves what one run would."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), decoding_sdpa(self.device):
+            for _ in range(2):
+                self._program(state, kind)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), decoding_sdpa(self.device):
+            state.outputs[kind] = self._program(state, kind)
+        state.graphs[kind] = graph
+        return graph
+
+    def _draft_with(self, head: DartHead, head_cache: HeadCache, top_k: int) -> None:
+        """Draft with ``head`` over ``head_cache`` (static) in the greedy programs."""
+        if top_k < 1:
+            raise InvalidArgumentError(f"draft top-k must be >= 1, got {top_k}")
+        self.head, self.head_cache = head, head_cache
+        self.top_k = min(top_k, head.config.draft_vocab_size)
+        self.masks = head.config.draft_length
+        self.head_trash = head_cache.capacity - 1
+        self._head_columns = torch.arange(head_cache.capacity, device=self.device)
+        dtype = head.fc.weight.dtype
+        # Every position's RoPE rows computed once (the graphs read this table).
+        cos, sin = head.rope(
+            0, head_cache.capacity, torch.empty((), dtype=dtype, device=self.device)
+        )
+        self._rope = (cos[0], sin[0])
+        self._draft_to_target = head.draft_to_target
+
+    def _draft(
+        self,
+        window: int,
+        taps: torch.Tensor,
+        tokens: torch.Tensor,
+        path: torch.Tensor,
+        count: torch.Tensor,
+        bonus: torch.Tensor,
+        head_lengths: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next draft from its accepted nodes, in fixed shapes: row b's ``count_b``
+        real rows right-aligned in ``size`` rows (so the last real row and the mask slots are
+        the layer's last rows, as :meth:`DartHead.forward` has them), the rows before them
+        padding (they see position 0 only, write to a trash slot, and nothing sees them).
+        Real row d sits at position ``head_length_b + d``, mask slot i at ``head_length_b +
+        count_b + i`` (its key stored after the padded block); the masks see the row's cache,
+        its real rows and the slots before them, as in the dynamic draft. ``taps`` ``(rows,
+        size, 3H)``, ``tokens`` and ``path`` ``(rows, size)``, ``count``, ``bonus`` and
+        ``head_lengths`` ``(rows,)``; attention reads the head cache's first ``window``
+        positions. Returns the top-k target ids and probabilities ``(rows, masks + 1, k)``."""
+        head, head_cache = self.head, self.head_cache
+        assert head is not None and head_cache is not None
+        rows, size = path.shape
+        masks = self.masks
+        column = torch.arange(size, device=self.device).unsqueeze(0)
+        depth = column - (size - count.unsqueeze(1))  # the real row's accepted depth; < 0: padding
+        real = depth >= 0
+        at = depth.clamp(min=0)
+        nodes = path.gather(1, at)
+        width = taps.shape[-1]
+        row_taps = taps.gather(1, nodes.unsqueeze(2).expand(rows, size, width))
+        path_tokens = tokens.gather(1, path)
+        # The token after accepted node d: the next accepted one, the bonus after the last.
+        following = path_tokens.gather(1, (at + 1).clamp(max=size - 1))
+        next_ids = torch.where(depth < count.unsqueeze(1) - 1, following, bonus.unsqueeze(1))
+        base = head_lengths.unsqueeze(1)
+        slot = torch.arange(masks, device=self.device).unsqueeze(0)
+        positions = torch.cat(
+            [torch.where(real, base + depth, 0), base + count.unsqueeze(1) + slot], 1
+        )
+        slots = torch.cat([torch.where(real, base + depth, self.head_trash), base + size + slot], 1)
+        columns = self._head_columns[:window].view(1, 1, -1)
+        real_sees = torch.where(
+            real.unsqueeze(2), columns <= (base + depth).unsqueeze(2), columns == 0
+        )
+        mask_sees = (columns < (base + count.unsqueeze(1)).unsqueeze(2)) | (
+            (columns >= (base + size).unsqueeze(2)) & (columns <= (base + size + slot).unsqueeze(2))
+        )
+        visible = torch.cat([real_sees, mask_sees], 1)
+        dtype = head.fc.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+        cos, sin = self._rope
+        head_cache.slots, head_cache.window = slots, window
+        try:
+            projected = head.project_taps(row_taps.to(dtype))
+            logits = head.draft_logits(
+                projected, next_ids, head_cache, (cos[positions], sin[positions]), mask, masks
+            )
+        finally:
+            head_cache.slots, head_cache.window = None, None
+        top = torch.topk(logits, self.top_k, dim=-1)
+        probs = torch.softmax(top.values.float(), dim=-1)
+        return self._draft_to_target[top.indices], probs
+
+
+class StaticVerifier(StaticPrograms):
     """Fixed-shape verification over one :class:`TargetCache` (see the module docstring).
 
     ``graphs``: capture each bucket's program as a CUDA graph the first time it runs (cuda
@@ -158,20 +330,10 @@ class StaticVerifier:
     ) -> None:
         """``buckets``: the padded sizes (default :func:`bucket_sizes` of ``max_tree``);
         ``head_cache``: the head's cache to use (a conversation's), else a new one."""
-        device = target.device
-        if graphs and device.type != "cuda":
-            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
-        devices = target.layer_devices()
-        if len(devices) != 1:
-            where = ", ".join(sorted(map(str, devices)))
-            raise InvalidArgumentError(
-                f"the static path needs the target on one device, not on {where} "
-                "(pass static=False)"
-            )
+        self._take(target, graphs)
+        device = self.device
         self.target = target
         self.cache = cache
-        self.device = device
-        self.graphs = graphs
         self.buckets = tuple(sorted(buckets)) if buckets else bucket_sizes(max_tree)
         if self.buckets[-1] < max_tree:
             raise InvalidArgumentError(
@@ -181,30 +343,19 @@ class StaticVerifier:
         #: Rejected nodes' K/V are "compacted" here, never into a live position.
         self.trash = self.capacity - 1
         self._state: dict[tuple[int, int, int], _Bucket] = {}
-        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         self._columns = torch.arange(self.capacity, device=device)
-        self.head = head
-        self.head_cache: HeadCache | None = None
+        self.head = None
+        self.head_cache = None
         if head is not None:
-            if top_k < 1:
-                raise InvalidArgumentError(f"draft top-k must be >= 1, got {top_k}")
-            self.top_k = min(top_k, head.config.draft_vocab_size)
-            self.masks = head.config.draft_length
             # The head's length never exceeds the target's: room for a padded draft (the
             # accepted rows, then the mask slots) after it, and a trash slot.
-            head_capacity = static_head_capacity(self.capacity, self.masks)
+            head_capacity = static_head_capacity(self.capacity, head.config.draft_length)
             if head_cache is not None and head_cache.capacity != head_capacity:
                 raise InvalidArgumentError(
                     f"a static head cache holds {head_capacity} positions here, not "
                     f"{head_cache.capacity}"
                 )
-            self.head_cache = head_cache or head.new_cache(head_capacity)
-            self.head_trash = head_capacity - 1
-            self._head_columns = torch.arange(head_capacity, device=device)
-            dtype = head.fc.weight.dtype
-            # Every position's RoPE rows computed once (the graphs read this table).
-            self._rope = head.rope(0, head_capacity, torch.empty((), dtype=dtype, device=device))
-            self._draft_to_target = head.draft_to_target
+            self._draft_with(head, head_cache or head.new_cache(head_capacity), top_k)
         self.clear_tail()
 
     def clear_tail(self) -> None:
@@ -313,9 +464,6 @@ class StaticVerifier:
         pinned = self.device.type == "cuda"
         host_in = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
         drafted = 0 if self.head is None else 2 * (self.masks + 1) * self.top_k
-        head_slots = None
-        if self.head is not None:
-            head_slots = torch.zeros(size + self.masks, dtype=torch.int64, device=self.device)
         state = _Bucket(
             size=size,
             window=window,
@@ -323,7 +471,6 @@ class StaticVerifier:
             host_in=host_in,
             device_in=torch.zeros(words, dtype=torch.int64, device=self.device),
             slots=torch.zeros(size, dtype=torch.int64, device=self.device),
-            head_slots=head_slots,
             host_out=torch.zeros(2 + size + drafted, dtype=torch.float64, pin_memory=pinned),
             outputs={},
             graphs={},
@@ -348,34 +495,6 @@ class StaticVerifier:
         mask[pad, pad] = 1
 
     # -- the device program ------------------------------------------------------------------
-
-    def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
-        if not self.graphs:
-            with decoding_sdpa(self.device):
-                return self._program(state, kind)
-        graph = state.graphs.get(kind)
-        if graph is None:
-            graph = self._capture(state, kind)
-        graph.replay()
-        return state.outputs[kind]
-
-    def _capture(self, state: _Bucket, kind: str) -> Any:
-        """Capture ``kind``'s program for this bucket, after warm-up runs on a side stream
-        (as CUDA graphs require). The warm-ups run on the inputs just loaded, which is
-        harmless: the program is idempotent (it rewrites every node's K/V at and after the
-        length before it compacts, and reads nothing else there), so the replay that
-        follows leaves what one run would."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), decoding_sdpa(self.device):
-            for _ in range(2):
-                self._program(state, kind)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), decoding_sdpa(self.device):
-            state.outputs[kind] = self._program(state, kind)
-        state.graphs[kind] = graph
-        return graph
 
     @torch.no_grad()
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
@@ -402,24 +521,15 @@ class StaticVerifier:
         assert taps is not None
         if kind == "forward":
             return {"logits": logits, "taps": taps}
-        # Greedy acceptance: a node is accepted when its token is the target's argmax at its
-        # parent, it is the first such child (as the host walk takes it), and so are all of
-        # its ancestors; padded nodes never are.
-        best = logits[0].argmax(-1)
-        real = nodes < n
-        is_root = nodes == 0
-        match = ((tokens == best[parents]) & real) | is_root
-        candidate = torch.where(match & ~is_root, nodes, size)
-        first = torch.full((size,), size, dtype=torch.int64, device=self.device)
-        first = first.scatter_reduce(0, parents, candidate, "amin")
-        match = match & ((first[parents] == nodes) | is_root)
-        accepted = ~(sees & ~match.unsqueeze(0)).any(1) & real
-        count = accepted.sum().unsqueeze(0)
-        last = torch.where(accepted, depths, -1).argmax().unsqueeze(0)
-        bonus = best[last]
-        # The accepted path in depth order (rejected nodes land in a spare last entry).
-        path = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
-        path = path.scatter(0, torch.where(accepted, depths, size), nodes)[:size]
+        accepted, count, bonus, paths = greedy_acceptance(
+            logits.argmax(-1),
+            tokens.unsqueeze(0),
+            parents.unsqueeze(0),
+            depths.unsqueeze(0),
+            sees.unsqueeze(0),
+            (nodes < n).unsqueeze(0),
+        )
+        accepted, path = accepted[0], paths[0]
         # Compaction: accepted node i moves from length + i to length + depth(i).
         source = nodes + length
         target = torch.where(accepted, depths + length, self.trash)
@@ -428,85 +538,20 @@ class StaticVerifier:
             buffer.index_copy_(dim, target, buffer.index_select(dim, source))
         parts = [count, bonus, path]
         if self.head is not None:
-            assert state.head_slots is not None
             ids, probs = self._draft(
-                state.head_slots,
                 state.head_window,
                 taps,
-                tokens[path],
-                path,
+                tokens.unsqueeze(0),
+                paths,
                 count,
                 bonus,
-                head_length,
+                head_length.unsqueeze(0),
             )
             parts += [ids.flatten(), probs.flatten()]
         return {
             "result": torch.cat([p.double() for p in parts]),
             "taps": taps.index_select(1, path),
         }
-
-    def _draft(
-        self,
-        slots: torch.Tensor,
-        window: int,
-        taps: torch.Tensor,
-        path_tokens: torch.Tensor,
-        path: torch.Tensor,
-        count: torch.Tensor,
-        bonus: torch.Tensor,
-        head_length: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's draft from the accepted nodes, in fixed shapes: the ``count`` real
-        rows right-aligned in ``size`` rows (so the last real row and the mask slots are the
-        layer's last rows, as :meth:`DartHead.forward` has them), the rows before them
-        padding (they see position 0 only, write to a trash slot, and nothing sees them).
-        Real row d sits at position ``head_length + d``, mask slot i at ``head_length +
-        count + i`` (its key stored after the padded block); the masks see the cache, the
-        real rows and the slots before them, as in the dynamic draft. Returns the top-k
-        target ids and probabilities per row, ``(masks + 1, k)``. Attention reads the head
-        cache's first ``window`` positions."""
-        head, head_cache = self.head, self.head_cache
-        assert head is not None and head_cache is not None
-        size, masks = path.shape[0], self.masks
-        rows = torch.arange(size, device=self.device)
-        depth = rows - (size - count)  # the real row's accepted depth; < 0: padding
-        real = depth >= 0
-        at = depth.clamp(min=0)
-        row_taps = taps[0].index_select(0, path[at]).unsqueeze(0)
-        # The token after accepted node d: the next accepted one, the bonus after the last.
-        following = path_tokens[(at + 1).clamp(max=size - 1)]
-        next_ids = torch.where(depth < count - 1, following, bonus).unsqueeze(0)
-        slot = torch.arange(masks, device=self.device)
-        positions = torch.cat(
-            [torch.where(real, head_length + depth, 0), head_length + count + slot]
-        )
-        slots.copy_(
-            torch.cat(
-                [torch.where(real, head_length + depth, self.head_trash), head_length + size + slot]
-            )
-        )
-        columns = self._head_columns[:window].unsqueeze(0)
-        real_sees = torch.where(
-            real.unsqueeze(1), columns <= (head_length + depth).unsqueeze(1), columns == 0
-        )
-        mask_sees = (columns < head_length + count) | (
-            (columns >= head_length + size) & (columns <= (head_length + size + slot).unsqueeze(1))
-        )
-        visible = torch.cat([real_sees, mask_sees])
-        dtype = head.fc.weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(0).unsqueeze(0)
-        cos, sin = self._rope
-        cos_sin = (cos.index_select(1, positions), sin.index_select(1, positions))
-        head_cache.slots, head_cache.window = slots, window
-        try:
-            projected = head.project_taps(row_taps.to(dtype))
-            logits = head.draft_logits(projected, next_ids, head_cache, cos_sin, mask, masks)[0]
-        finally:
-            head_cache.slots, head_cache.window = None, None
-        top = torch.topk(logits, self.top_k, dim=-1)
-        probs = torch.softmax(top.values.float(), dim=-1)
-        return self._draft_to_target[top.indices], probs
 
     def _mask(
         self, sees: torch.Tensor, length: torch.Tensor, size: int, window: int

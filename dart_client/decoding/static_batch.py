@@ -40,9 +40,13 @@ import torch
 
 from dart_client.decoding.accept import Acceptance
 from dart_client.decoding.draft import DraftRows
-from dart_client.decoding.static import attention_window, bucket_sizes
+from dart_client.decoding.static import (
+    StaticPrograms,
+    attention_window,
+    bucket_sizes,
+    greedy_acceptance,
+)
 from dart_client.errors import InvalidArgumentError
-from dart_client.models.attention import decoding_sdpa
 from dart_client.models.target import compact_rows
 
 if TYPE_CHECKING:
@@ -52,6 +56,23 @@ if TYPE_CHECKING:
 
 #: Words of the packed input before the rows: the frontier, the live row count.
 HEADER = 2
+
+
+def _layout(words: Any, rows: int, size: int) -> dict[str, Any]:
+    """The packed input's fields (after the header), as views of ``words`` (a numpy array on
+    the host, a tensor on the device): per row its length, tree size and head length, then
+    tokens, depths and parents ``(rows, size)``, then the mask bytes' words."""
+    block = HEADER + 3 * rows
+    cells = rows * size
+    return {
+        "lengths": words[HEADER : HEADER + rows],
+        "sizes": words[HEADER + rows : HEADER + 2 * rows],
+        "head_lengths": words[HEADER + 2 * rows : block],
+        "tokens": words[block : block + cells].reshape(rows, size),
+        "depths": words[block + cells : block + 2 * cells].reshape(rows, size),
+        "parents": words[block + 2 * cells : block + 3 * cells].reshape(rows, size),
+        "mask_words": words[block + 3 * cells :],
+    }
 
 
 def row_bucket(live: int, batch: int) -> int:
@@ -93,7 +114,7 @@ class BatchStep:
     rows: list[DraftRows] | None = None
 
 
-class StaticBatchVerifier:
+class StaticBatchVerifier(StaticPrograms):
     """Fixed-shape verification of every live row's tree over one batched cache."""
 
     def __init__(
@@ -109,44 +130,24 @@ class StaticBatchVerifier:
     ) -> None:
         """``head`` / ``head_cache`` / ``top_k``: draft every row's next rows in the greedy
         program, over the batched ``head_cache`` (its rows those of ``cache``)."""
-        device = target.device
-        if graphs and device.type != "cuda":
-            raise InvalidArgumentError(f"CUDA graphs need a cuda target, not {device}")
-        devices = target.layer_devices()
-        if len(devices) != 1:
-            where = ", ".join(sorted(map(str, devices)))
-            raise InvalidArgumentError(
-                f"the static path needs the target on one device, not on {where} "
-                "(pass static=False)"
-            )
+        self._take(target, graphs)
+        device = self.device
         if not cache.buffers():
             raise InvalidArgumentError("the batched cache holds no row yet (put_row first)")
         self.target = target
         self.cache = cache
-        self.device = device
-        self.graphs = graphs
         self.buckets = bucket_sizes(max_tree)
         self.capacity = cache.capacity
         self.trash = self.capacity - 1
         self.batch = cache.batch
         self._state: dict[tuple[int, int, int, int], _Bucket] = {}
-        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         self._columns = torch.arange(self.capacity, device=device)
-        self.head = head
-        self.head_cache = head_cache
+        self.head = None
+        self.head_cache = None
         if head is not None:
-            if head_cache is None or top_k < 1:
-                raise InvalidArgumentError("drafting in the program needs a head cache and k >= 1")
-            self.top_k = min(top_k, head.config.draft_vocab_size)
-            self.masks = head.config.draft_length
-            self.head_trash = head_cache.capacity - 1
-            self._head_columns = torch.arange(head_cache.capacity, device=device)
-            dtype = head.fc.weight.dtype
-            cos, sin = head.rope(
-                0, head_cache.capacity, torch.empty((), dtype=dtype, device=device)
-            )
-            self._rope = (cos[0], sin[0])
-            self._draft_to_target = head.draft_to_target
+            if head_cache is None:
+                raise InvalidArgumentError("drafting in the program needs the batched head cache")
+            self._draft_with(head, head_cache, top_k)
         self.clear()
 
     def clear(self) -> None:
@@ -280,15 +281,10 @@ class StaticBatchVerifier:
         words = state.host_in.numpy()
         words[:] = 0
         words[0], words[1] = frontier, len(trees)
-        lengths = words[HEADER : HEADER + rows]
-        sizes = words[HEADER + rows : HEADER + 2 * rows]
-        head_lengths = words[HEADER + 2 * rows : HEADER + 3 * rows]
-        block = HEADER + 3 * rows
-        tokens = words[block : block + rows * size].reshape(rows, size)
-        depths = words[block + rows * size : block + 2 * rows * size].reshape(rows, size)
-        parents = words[block + 2 * rows * size : block + 3 * rows * size].reshape(rows, size)
-        mask_words = words[block + 3 * rows * size :]
-        mask = mask_words.view(np.uint8)[: rows * size * size].reshape(rows, size, size)
+        fields = _layout(words, rows, size)
+        lengths, sizes, head_lengths = fields["lengths"], fields["sizes"], fields["head_lengths"]
+        tokens, depths, parents = fields["tokens"], fields["depths"], fields["parents"]
+        mask = fields["mask_words"].view(np.uint8)[: rows * size * size].reshape(rows, size, size)
         # A padded node sees only itself (a well-defined softmax); nothing sees it.
         pad = np.arange(size)
         mask[:, pad, pad] = 1
@@ -305,46 +301,16 @@ class StaticBatchVerifier:
 
     # -- the device program -----------------------------------------------------------------
 
-    def _execute(self, state: _Bucket, kind: str) -> dict[str, Any]:
-        if not self.graphs:
-            with decoding_sdpa(self.device):
-                return self._program(state, kind)
-        graph = state.graphs.get(kind)
-        if graph is None:
-            graph = self._capture(state, kind)
-        graph.replay()
-        return state.outputs[kind]
-
-    def _capture(self, state: _Bucket, kind: str) -> Any:
-        """Capture ``kind``'s program for this bucket after warm-up runs on a side stream;
-        idempotent as the lone path's (every node's K/V rewritten at the frontier before
-        compaction reads it), so warming up on the step's own inputs is harmless."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), decoding_sdpa(self.device):
-            for _ in range(2):
-                self._program(state, kind)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), decoding_sdpa(self.device):
-            state.outputs[kind] = self._program(state, kind)
-        state.graphs[kind] = graph
-        return graph
-
     @torch.no_grad()
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
         rows, size, window = state.rows, state.size, state.window
         words = state.device_in
         frontier = words[0]
-        lengths = words[HEADER : HEADER + rows]
-        sizes = words[HEADER + rows : HEADER + 2 * rows]
-        head_lengths = words[HEADER + 2 * rows : HEADER + 3 * rows]
-        block = HEADER + 3 * rows
-        tokens = words[block : block + rows * size].view(rows, size)
-        depths = words[block + rows * size : block + 2 * rows * size].view(rows, size)
-        parents = words[block + 2 * rows * size : block + 3 * rows * size].view(rows, size)
-        mask_words = words[block + 3 * rows * size :]
-        sees = mask_words.view(torch.uint8)[: rows * size * size].view(rows, size, size).bool()
+        fields = _layout(words, rows, size)
+        lengths, sizes, head_lengths = fields["lengths"], fields["sizes"], fields["head_lengths"]
+        tokens, depths, parents = fields["tokens"], fields["depths"], fields["parents"]
+        sees = fields["mask_words"].view(torch.uint8)[: rows * size * size]
+        sees = sees.view(rows, size, size).bool()
         nodes = torch.arange(size, device=self.device)
         state.slots.copy_(nodes + frontier)
         mask = self._mask(sees, lengths, frontier, rows, size, window)
@@ -358,23 +324,10 @@ class StaticBatchVerifier:
         assert taps is not None
         if kind == "forward":
             return {"logits": logits, "taps": taps}
-        # Greedy acceptance per row, as the lone program: a node is accepted when its token
-        # is the argmax at its parent, it is the first such child, and so are its ancestors.
-        best = logits.argmax(-1)
         real = nodes.unsqueeze(0) < sizes.unsqueeze(1)
-        is_root = (nodes == 0).unsqueeze(0)
-        match = ((tokens == best.gather(1, parents)) & real) | is_root
-        candidate = torch.where(match & ~is_root, nodes.unsqueeze(0), size)
-        first = torch.full((rows, size), size, dtype=torch.int64, device=self.device)
-        first = first.scatter_reduce(1, parents, candidate, "amin")
-        match = match & ((first.gather(1, parents) == nodes.unsqueeze(0)) | is_root)
-        accepted = ~(sees & ~match.unsqueeze(1)).any(2) & real
-        count = accepted.sum(1)
-        last = torch.where(accepted, depths, -1).argmax(1, keepdim=True)
-        bonus = best.gather(1, last).squeeze(1)
-        path = torch.zeros((rows, size + 1), dtype=torch.int64, device=self.device)
-        path = path.scatter(1, torch.where(accepted, depths, size), nodes.expand(rows, size))
-        path = path[:, :size]
+        accepted, count, bonus, path = greedy_acceptance(
+            logits.argmax(-1), tokens, parents, depths, sees, real
+        )
         # Compaction: row b's accepted node i moves from frontier + i to length_b + depth_i.
         plan = (
             torch.arange(rows, device=self.device).unsqueeze(1),
@@ -386,68 +339,14 @@ class StaticBatchVerifier:
         width = taps.shape[-1]
         parts = [count.double(), bonus.double(), path.flatten().double()]
         if self.head is not None:
-            ids, probs = self._draft(state, taps, tokens, path, count, bonus, head_lengths)
+            ids, probs = self._draft(
+                state.head_window, taps, tokens, path, count, bonus, head_lengths
+            )
             parts += [ids.flatten().double(), probs.flatten().double()]
         return {
             "result": torch.cat(parts),
             "taps": taps.gather(1, path.unsqueeze(2).expand(rows, size, width)),
         }
-
-    def _draft(
-        self,
-        state: _Bucket,
-        taps: torch.Tensor,
-        tokens: torch.Tensor,
-        path: torch.Tensor,
-        count: torch.Tensor,
-        bonus: torch.Tensor,
-        head_lengths: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's next draft from its accepted nodes, as the lone static draft makes
-        it (``StaticVerifier._draft``), each row at its own head length: the top-k target
-        ids and probabilities ``(rows, masks + 1, k)``."""
-        head, head_cache = self.head, self.head_cache
-        assert head is not None and head_cache is not None
-        rows, size, masks = state.rows, state.size, self.masks
-        column = torch.arange(size, device=self.device).unsqueeze(0)
-        depth = column - (size - count.unsqueeze(1))  # (rows, size); < 0: padding
-        real = depth >= 0
-        at = depth.clamp(min=0)
-        nodes = path.gather(1, at)
-        width = taps.shape[-1]
-        row_taps = taps.gather(1, nodes.unsqueeze(2).expand(rows, size, width))
-        path_tokens = tokens.gather(1, path)
-        following = path_tokens.gather(1, (at + 1).clamp(max=size - 1))
-        next_ids = torch.where(depth < count.unsqueeze(1) - 1, following, bonus.unsqueeze(1))
-        base = head_lengths.unsqueeze(1)
-        slot = torch.arange(masks, device=self.device).unsqueeze(0)
-        positions = torch.cat(
-            [torch.where(real, base + depth, 0), base + count.unsqueeze(1) + slot], 1
-        )
-        slots = torch.cat([torch.where(real, base + depth, self.head_trash), base + size + slot], 1)
-        columns = self._head_columns[: state.head_window].view(1, 1, -1)
-        real_sees = torch.where(
-            real.unsqueeze(2), columns <= (base + depth).unsqueeze(2), columns == 0
-        )
-        mask_sees = (columns < (base + count.unsqueeze(1)).unsqueeze(2)) | (
-            (columns >= (base + size).unsqueeze(2)) & (columns <= (base + size + slot).unsqueeze(2))
-        )
-        visible = torch.cat([real_sees, mask_sees], 1)
-        dtype = head.fc.weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
-        cos, sin = self._rope
-        head_cache.slots, head_cache.window = slots, state.head_window
-        try:
-            projected = head.project_taps(row_taps.to(dtype))
-            logits = head.draft_logits(
-                projected, next_ids, head_cache, (cos[positions], sin[positions]), mask, masks
-            )
-        finally:
-            head_cache.slots, head_cache.window = None, None
-        top = torch.topk(logits, self.top_k, dim=-1)
-        probs = torch.softmax(top.values.float(), dim=-1)
-        return self._draft_to_target[top.indices], probs
 
     def _mask(
         self,
