@@ -52,9 +52,11 @@ run() {
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
     profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \
         --ngram "$NG" --head auto --prompts 4 --max-new 128 --json "$R/profile.json" ;;
-    batched) step batched 90 python3 -m dart_client.apps.bench.batched --device cuda --ngram "$NG" \
-        --batch 8 --workloads humaneval --groups 1 --max-new-tokens 64 \
-        --methods ar-xN dart-xN --output "$R/batched-8.json" ;;
+    batched) for b in 8 32; do
+        step "batched-$b" 150 python3 -m dart_client.apps.bench.batched --device cuda --ngram "$NG" \
+          --batch "$b" --workloads humaneval --groups 1 --max-new-tokens 64 --tree-budget auto \
+          --batch-tree-budget auto --methods dart-x1 ar-xN dart-xN --output "$R/batched-$b.json"
+      done ;;
     eagle3) step eagle3 120 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 3 --max-new-tokens 128 --methods ar dart eagle3 \
         --no-progress --output-dir "$R/eagle3" ;;
