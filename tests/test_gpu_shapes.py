@@ -18,6 +18,7 @@ def test_gpu_shapes_reports_every_figure(tmp_path: Path, tiny_ngram_path: Any, c
     out = tmp_path / "shapes.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "fp32", "--context", "20"]
     argv += ["--tree", "9", "--steps", "2", "--ngram", str(tiny_ngram_path), "--json", str(out)]
+    argv += ["--batch", "3"]
     assert gpu_shapes.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["bucket"] == 16 and report["gpu"] is None and report["ar_kernel_ms"] is None
@@ -30,7 +31,15 @@ def test_gpu_shapes_reports_every_figure(tmp_path: Path, tiny_ngram_path: Any, c
     assert report["tree_vs_one_token"] == pytest.approx(
         report["tree_step_without_head_ms"] / report["ar_step_ms"]
     )
-    assert "| the draft |" in capsys.readouterr().out
+    # The batch program over 3 rows of the same context.
+    assert report["batch"] == 3 and report["batch_ar_kernel_ms"] is None
+    for key in ("batch_ar_step_ms", "batch_tree_step_ms", "batch_tree_step_without_head_ms"):
+        assert report[key] > 0, key
+    assert report["batch_draft_ms"] == pytest.approx(
+        report["batch_tree_step_ms"] - report["batch_tree_step_without_head_ms"]
+    )
+    printed = capsys.readouterr().out
+    assert "| the draft |" in printed and "| 3 rows: the drafts |" in printed
 
 
 def test_gpu_shapes_rejects_bad_arguments(capsys: Any) -> None:

@@ -36,11 +36,11 @@ run() {
         --workloads humaneval "$SG" --max-prompts 4 --max-new-tokens 128 --methods ar dart \
         --compare-budgets 31 60 --no-progress --output-dir "$R/bench" ;;
     shapes) step shapes-8b 100 python3 -m dart_client.apps.bench.gpu_shapes --shape llama3-8b \
-        --device cuda --ngram "$NG" --json "$R/shapes-llama3-8b.json"
+        --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-llama3-8b.json"
       step shapes-smollm2 60 python3 -m dart_client.apps.bench.gpu_shapes --shape smollm2 \
         --device cuda --ngram "$NG" --json "$R/shapes-smollm2.json" ;;
     shapes-real) step shapes-embedded 90 python3 -m dart_client.apps.bench.gpu_shapes \
-        --base embedded --device cuda --ngram "$NG" --json "$R/shapes-embedded.json" ;;
+        --base embedded --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-embedded.json" ;;
     triton) step triton-off 90 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
         --device cuda --json "$R/shapes-embedded-plain.json"
       step triton-on 120 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.gpu_shapes \

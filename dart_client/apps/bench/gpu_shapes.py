@@ -19,6 +19,10 @@ every timed step, so each runs at the same length), each a median over ``--steps
   ``--ngram``, ``prune_ms``: the Rust pruner building the tree from the drafted rows.
   ``host_vs_ar_step``: load + readback + prune against one AR step. Goal: under 10%.
 * ``eager_forward_ms``: the dynamic (eager) path's one-token forward, for comparison.
+* with ``--batch N`` (N > 1), the static batch program over N rows of the same context
+  (``decoding/static_batch.py``): ``batch_ar_step_ms`` (one token per row),
+  ``batch_tree_step_ms`` (a tree per row, every row's next draft inside) and without the
+  head, their kernel times, and ``batch_ar_vs_ar`` (N rows' AR step against one row's).
 
 Random weights cost what trained ones cost; acceptance is not measured here (``dart bench``
 measures it with the trained head). ``--base`` measures a real target instead of a shape
@@ -131,6 +135,7 @@ def measure(
     steps: int,
     ngram: str | None = None,
     base: str | None = None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """The figures of the module docstring, in milliseconds (``base``: a real target
     instead of ``shape``'s random one)."""
@@ -259,7 +264,69 @@ def measure(
     report["ar_wall_vs_kernels"] = report["ar_step_ms"] / kernels if kernels else None
     tree_kernels = kernel_ms(lambda: (plain.greedy_step(tree), restore()), steps)
     report["tree_kernel_ms"] = tree_kernels
+    if batch > 1:
+        report.update(
+            _batch_figures(target, head, cache, drafting, tree, root, batch, context, timed, steps)
+        )
     return report
+
+
+def _batch_figures(
+    target: Any,
+    head: Any,
+    single: Any,
+    drafting: Any,
+    tree: Any,
+    root: Any,
+    batch: int,
+    context: int,
+    timed: Callable[[Callable[[], Any]], float],
+    steps: int,
+) -> dict[str, Any]:
+    """The static batch program's step over ``batch`` copies of ``single``'s context."""
+    from dart_client.decoding.static import static_capacity
+    from dart_client.decoding.static_batch import StaticBatchVerifier
+
+    graphs = target.device.type == "cuda"
+    cache = target.new_cache(static_capacity(context + 1, len(tree)), batch)
+    head_cache = head.new_cache(drafting.head_cache.capacity, batch)
+    for row in range(batch):
+        cache.put_row(row, single)
+        head_cache.put_row(row, drafting.head_cache)
+    plain = StaticBatchVerifier(target, cache, len(tree), graphs=graphs)
+    with_head = StaticBatchVerifier(
+        target,
+        cache,
+        len(tree),
+        graphs=graphs,
+        head=head,
+        head_cache=head_cache,
+        top_k=drafting.top_k,
+    )
+    rows, heads = list(cache.rows.lengths), list(head_cache.rows.lengths)
+
+    def restore() -> None:
+        cache.grow_rows([n - now for n, now in zip(rows, cache.rows.lengths, strict=True)])
+        head_cache.grow_rows(
+            [n - now for n, now in zip(heads, head_cache.rows.lengths, strict=True)]
+        )
+
+    def run(verifier: Any, trees: list[Any]) -> Callable[[], Any]:
+        return lambda: (verifier.greedy_step(trees), restore())
+
+    ar = run(plain, [root] * batch)
+    trees = run(with_head, [tree] * batch)
+    without_head = run(plain, [tree] * batch)
+    out: dict[str, Any] = {
+        "batch": batch,
+        "batch_ar_step_ms": timed(ar),
+        "batch_tree_step_ms": timed(trees),
+        "batch_tree_step_without_head_ms": timed(without_head),
+    }
+    out["batch_draft_ms"] = out["batch_tree_step_ms"] - out["batch_tree_step_without_head_ms"]
+    out["batch_ar_kernel_ms"] = kernel_ms(ar, steps)
+    out["batch_tree_kernel_ms"] = kernel_ms(trees, steps)
+    return out
 
 
 def target_device(model: Any) -> torch.device:
@@ -298,6 +365,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"| pruner | {ms('prune_ms')} | |",
             f"| host work per step / AR step | {ratio('host_vs_ar_step')} | under 0.10x |",
             f"| eager one-token forward (dynamic path) | {ms('eager_forward_ms')} | |",
+            *(
+                [
+                    f"| {report['batch']} rows: AR step / its kernels | "
+                    f"{ms('batch_ar_step_ms')} / {ms('batch_ar_kernel_ms')} | |",
+                    f"| {report['batch']} rows: tree step with the drafts / its kernels | "
+                    f"{ms('batch_tree_step_ms')} / {ms('batch_tree_kernel_ms')} | |",
+                    f"| {report['batch']} rows: tree step without the head | "
+                    f"{ms('batch_tree_step_without_head_ms')} | |",
+                    f"| {report['batch']} rows: the drafts | {ms('batch_draft_ms')} | |",
+                ]
+                if report.get("batch")
+                else []
+            ),
             "",
             f"attention: {report.get('attention')}, cache capacity {report.get('capacity')}",
             *(
@@ -321,10 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--tree", type=int, default=61, help="tree nodes, the root included")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=1, help="also time the batch program over N rows")
     p.add_argument("--ngram", default=None, help="an n-gram file: time the pruner as well")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    for name in ("context", "tree", "steps"):
+    for name in ("context", "tree", "steps", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     report = measure(
@@ -336,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps,
         args.ngram,
         args.base,
+        args.batch,
     )
     print(markdown(report))
     if args.json:
