@@ -268,6 +268,45 @@ def test_the_head_window_holds_the_drafted_rows_and_mask_slots(tiny: Any) -> Non
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_sampling_step_drafts_in_a_program_of_its_own(tiny: Any) -> None:
+    """Sampling on the static path: the padded forward, acceptance on the host, then the
+    head's next draft in a program of its own (a graph on cuda): the same draft rows and
+    the same sampled tokens as the dynamic path, seed for seed (float64)."""
+    from dart_client.decoding import static as static_module
+
+    model, head = tiny
+    calls: list[int] = []
+    draft = static_module.StaticVerifier.draft
+
+    def counted(self: Any, acceptance: Any) -> Any:
+        calls.append(len(acceptance.nodes))
+        return draft(self, acceptance)
+
+    steps = 0
+    for i, prompt in enumerate(random_prompts(3, seed=23)):
+        want = hf_greedy(model, prompt, max_new_tokens=18)
+        drafts, tokens = {}, {}
+        for static in (False, True):
+            oracle = RecordingOracle(want, seed=i, depth=6)
+            dm = DartModel(model, head, tree_builder=oracle)
+            dm.draft_top_k = 5
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(static_module.StaticVerifier, "draft", counted)
+                got = run_oracle(
+                    dm, oracle, input_ids=prompt, max_new_tokens=18, static=static,
+                    temperature=0.1, seed=i,
+                )  # fmt: skip
+            drafts[static], tokens[static] = oracle.rows, got.tokens
+        assert tokens[True] == tokens[False]
+        assert len(drafts[True]) == len(drafts[False]) > 1
+        for a, b in zip(drafts[True], drafts[False], strict=True):
+            np.testing.assert_array_equal(a.ids, b.ids)
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5, atol=1e-6)
+            steps += 1
+    assert steps > 6 and len(calls) >= steps - 3 and max(calls) >= 2
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_static_path_with_a_prefix_cache_and_a_reused_cache(tiny: Any) -> None:
     """A conversation's second turn reuses its static cache (and verifier); generations
     without a prefix cache borrow the target's static cache one after another."""
@@ -424,3 +463,22 @@ def test_batched_cuda_graphs_decode_as_the_dynamic_batch(tiny: Any, tiny_ngram_p
                 assert batch.verifier is not None and batch.verifier.graphs
                 assert any(s.graphs for s in batch.verifier._state.values())
         assert outputs[True] == outputs[False], mode
+
+
+@cuda_only
+def test_sampling_through_cuda_graphs_decodes_as_the_dynamic_path(tiny: Any) -> None:
+    """On cuda: sampling steps through the graphs (the padded forward, then the draft's own
+    graph) give the dynamic path's tokens, seed for seed (float64)."""
+    model, head = tiny
+    for i, prompt in enumerate(random_prompts(3, seed=29)):
+        want = hf_greedy(model, prompt, max_new_tokens=16)
+        outputs = []
+        for static in (False, True):
+            oracle = OracleTree(want, seed=i, depth=6)
+            dm = DartModel(model, head, tree_builder=oracle)
+            got = run_oracle(
+                dm, oracle, input_ids=prompt, max_new_tokens=16, static=static,
+                temperature=0.1, seed=i,
+            )  # fmt: skip
+            outputs.append(got.tokens)
+        assert outputs[0] == outputs[1]

@@ -524,6 +524,7 @@ class _Run:
 
         while self.finish is None:
             step: dict[str, float] = {}
+            drafted_in_program = static_greedy
             t = self._clock()
             if pending is not None:
                 assert drafter is not None and head_cache is not None
@@ -580,13 +581,23 @@ class _Run:
                 t = self._lap(t, "accept", step)
                 cache.keep(cache_len, acc.nodes, self.device)
                 t = self._lap(t, "compact", step)
+                if (
+                    static is not None
+                    and static.head is not None
+                    and isinstance(drafter, DartDrafter)
+                    and self.finish is None
+                ):
+                    # The head's next draft in a program of its own (a graph on cuda).
+                    drafter.rows = static.draft(acc)
+                    drafted_in_program = True
+                    t = self._lap(t, "draft", step)
             new = acc.new_tokens
             event = self._emit(new, len(new), len(tree), step)
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
-            # (A static greedy step drafted the next rows in its replay already.)
-            if self.finish is None and drafter is not None and not static_greedy:
+            # (A static step drafted the next rows in its program already.)
+            if self.finish is None and drafter is not None and not drafted_in_program:
                 assert taps is not None
                 pending = (taps, acc.nodes, new)
             yield event

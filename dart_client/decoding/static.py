@@ -121,6 +121,17 @@ class _Bucket:
     host_out: torch.Tensor
     outputs: dict[str, Any]
     graphs: dict[str, Any]
+    #: The last forward's taps (1, size, 3H): what a sampling step's draft reads.
+    last_taps: torch.Tensor | None = None
+    #: A sampling step's draft inputs, [count, bonus, head length, path nodes] (pinned on
+    #: cuda), their device copy, and its output [draft ids, draft probs] (float64).
+    draft_host: torch.Tensor | None = None
+    draft_in: torch.Tensor | None = None
+    draft_out: torch.Tensor | None = None
+
+
+#: Words of a sampling step's draft input before the path: count, bonus, head length.
+DRAFT_HEADER = 3
 
 
 @dataclass
@@ -343,6 +354,8 @@ class StaticVerifier(StaticPrograms):
         #: Rejected nodes' K/V are "compacted" here, never into a live position.
         self.trash = self.capacity - 1
         self._state: dict[tuple[int, int, int], _Bucket] = {}
+        #: The bucket the last :meth:`forward` ran (what :meth:`draft` drafts from).
+        self._forwarded: _Bucket | None = None
         self._columns = torch.arange(self.capacity, device=device)
         self.head = None
         self.head_cache = None
@@ -416,13 +429,7 @@ class StaticVerifier(StaticPrograms):
         rows = None
         if self.head_cache is not None:
             self.head_cache.length += count
-            shape = (self.masks + 1, self.top_k)
-            cells = shape[0] * shape[1]
-            drafted = values[2 + size : 2 + size + 2 * cells]
-            rows = DraftRows(
-                ids=drafted[:cells].astype(np.int64).reshape(shape),
-                probs=drafted[cells:].astype(np.float32).reshape(shape),
-            )
+            rows = self._rows(values[2 + size :])
         return StaticStep(acceptance, out["taps"][:, :count], rows)
 
     def forward(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,9 +438,53 @@ class StaticVerifier(StaticPrograms):
         verification's does, for the caller's :meth:`TargetCache.keep`."""
         state = self.load(tree)
         out = self._execute(state, "forward")
+        state.last_taps = out["taps"]
+        self._forwarded = state
         n = len(tree)
         self.cache.truncate(self.cache.length + n)
         return out["logits"][0, :n], out["taps"][:, :n]
+
+    def draft(self, acceptance: Acceptance) -> DraftRows:
+        """After a sampling step (:meth:`forward`, then acceptance and compaction on the
+        host): the head's next draft from the accepted nodes, in a program of its own over
+        the forward's taps (on cuda a graph per bucket), as a greedy step drafts in its
+        replay; one small copy in, one out. The head cache's length then counts the
+        accepted nodes."""
+        state, head_cache = self._forwarded, self.head_cache
+        if state is None or head_cache is None or self.head is None:
+            raise InvalidArgumentError("draft() follows forward() on a verifier with a head")
+        size = state.size
+        if state.draft_host is None:
+            pinned = self.device.type == "cuda"
+            cells = 2 * (self.masks + 1) * self.top_k
+            state.draft_host = torch.zeros(
+                DRAFT_HEADER + size, dtype=torch.int64, pin_memory=pinned
+            )
+            state.draft_in = torch.zeros(DRAFT_HEADER + size, dtype=torch.int64, device=self.device)
+            state.draft_out = torch.zeros(cells, dtype=torch.float64, pin_memory=pinned)
+        assert state.draft_in is not None and state.draft_out is not None
+        count = len(acceptance.nodes)
+        words = state.draft_host.numpy()
+        words[:] = 0
+        words[0], words[1], words[2] = count, acceptance.bonus, head_cache.length
+        words[DRAFT_HEADER : DRAFT_HEADER + count] = acceptance.nodes
+        state.draft_in.copy_(state.draft_host, non_blocking=state.draft_host.is_pinned())
+        out = self._execute(state, "draft")
+        host = state.draft_out
+        host.copy_(out["result"], non_blocking=host.is_pinned())
+        if host.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()
+        head_cache.length += count
+        return self._rows(host.numpy())
+
+    def _rows(self, values: np.ndarray) -> DraftRows:
+        """Draft rows from a program's output: ids, then probabilities, ``(masks + 1, k)``."""
+        shape = (self.masks + 1, self.top_k)
+        cells = shape[0] * shape[1]
+        return DraftRows(
+            ids=values[:cells].astype(np.int64).reshape(shape),
+            probs=values[cells : 2 * cells].astype(np.float32).reshape(shape),
+        )
 
     # -- buffers ---------------------------------------------------------------------------
 
@@ -499,9 +550,23 @@ class StaticVerifier(StaticPrograms):
     @torch.no_grad()
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
         """Everything between the two copies, in fixed shapes: read the packed inputs, run
-        the padded forward, and for ``kind == "greedy"`` accept and compact."""
+        the padded forward, and for ``kind == "greedy"`` accept and compact; ``"draft"``: a
+        sampling step's draft from its accepted nodes (:meth:`draft`)."""
         size = state.size
         words = state.device_in
+        if kind == "draft":
+            assert state.draft_in is not None and state.last_taps is not None
+            given = state.draft_in
+            ids, probs = self._draft(
+                state.head_window,
+                state.last_taps,
+                words[HEADER : HEADER + size].unsqueeze(0),
+                given[DRAFT_HEADER:].unsqueeze(0),
+                given[0:1],
+                given[1:2],
+                given[2:3],
+            )
+            return {"result": torch.cat([ids.flatten().double(), probs.flatten().double()])}
         length, n, head_length = words[0], words[1], words[2]
         tokens = words[HEADER : HEADER + size]
         depths = words[HEADER + size : HEADER + 2 * size]
