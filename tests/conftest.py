@@ -17,6 +17,7 @@ import pytest
 
 from dart_client import embedded
 from dart_client.data import read_sharegpt
+from dart_client.decoding.ties import first_divergence, top2_margin  # noqa: F401 (tests import them from here)
 from dart_client.errors import MissingResourceError
 
 
@@ -321,42 +322,19 @@ class LikeliestSiblings(TrackingBuilder):
         return Tree.build(tokens[:n], parents[:n])
 
 
-def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
-    """Index of the first token where ``got`` and ``want`` differ (None if equal)."""
-    if list(got) == list(want):
-        return None
-    return next(
-        (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-        min(len(got), len(want)),
-    )
-
-
-def top2_margin(model: Any, ids: Sequence[int]) -> tuple[float, float]:
-    """The target's top-2 logit margin after ``ids`` (one plain forward) and the top logit's
-    magnitude (the scale its rounding works at)."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1]), float(top[0].abs())
-
-
 def assert_divergence_is_a_near_tie(
     model: Any, prompt: Sequence[int], got: Sequence[int], want: Sequence[int], ulps: float
 ) -> int | None:
     """Where exactness is not promised: ``got`` may leave ``want`` only where the target's
     top-2 margin is within ``ulps`` units of its dtype's resolution at the logits' scale.
     Returns the divergence index (None if equal)."""
-    import torch
+    from dart_client.decoding.ties import divergence
 
-    i = first_divergence(got, want)
-    if i is None:
+    found = divergence(model, prompt, got, want, ulps)
+    if found is None:
         return None
-    margin, scale = top2_margin(model, [*prompt, *want[:i]])
-    threshold = ulps * torch.finfo(model.dtype).eps * max(scale, 1.0)
-    assert margin <= threshold, (
-        f"diverges at token {i} where the top-2 margin is {margin:.5f} > {threshold:.5f}: "
-        "not a numerical near-tie"
+    assert found.near_tie, (
+        f"diverges at token {found.index} where the top-2 margin is {found.margin:.5f} > "
+        f"{found.threshold:.5f}: not a numerical near-tie"
     )
-    return i
+    return found.index

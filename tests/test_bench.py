@@ -164,6 +164,38 @@ def test_summarize_medians_speedup_tau_and_equality() -> None:
     assert sampled["w"]["methods"]["dart"]["greedy_equal_ar"] is None
 
 
+def test_divergences_are_checked_against_the_target_and_reported() -> None:
+    """check_divergences measures the target's margin where a greedy output leaves AR's;
+    the summary keeps it and the report says whether every one is a near-tie."""
+    from dart_client.apps.bench import report
+
+    target = make_tiny_target("llama", seed=7)
+    prompt = [5, 9, 11, 40]
+    want = DartModel(target).generate(input_ids=prompt, mode="ar", max_new_tokens=6).tokens
+    import torch
+
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + want[:2]])).logits[0, -1]
+    second = int(torch.topk(logits, 2).indices[1])
+    got = [*want[:2], second, *want[3:]]
+    prompts = [
+        PromptRuns(
+            Prompt("p0", prompt, ""),
+            {"ar": [Run(want, 1.0, [], {}, [])], "dart": [Run(got, 1.0, [1], {}, [1])]},
+        )
+    ]
+    results = [harness.WorkloadRuns(Workload("w", "src", []), prompts)]
+    harness.check_divergences(results, target)
+    assert set(prompts[0].divergences) == {"dart"}
+    summary = harness.summarize(results, Settings())
+    (found,) = summary["w"]["methods"]["dart"]["greedy_divergences"]
+    assert found["token"] == 2 and found["margin"] > found["threshold"] and not found["near_tie"]
+    assert summary["w"]["methods"]["ar"]["greedy_divergences"] == []
+    text = report._ties([found])
+    assert "1 NOT at a near-tie (token 2" in text
+    assert "each at a near-tie" in report._ties([{**found, "near_tie": True}])
+
+
 # -- the whole benchmark on a tiny model ---------------------------------------------------------
 
 

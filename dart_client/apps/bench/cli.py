@@ -235,6 +235,8 @@ def run(args: argparse.Namespace, model: Any = None) -> int:
         if eagle3_tuning is not None:
             print(eagle3_tuning.table(rows=12), file=sys.stderr)
         results = harness.run_benchmark(methods, workloads, settings, progress=not args.no_progress)
+        if settings.greedy:
+            harness.check_divergences(results, model.target.model)
     finally:
         for close in reversed(closers):
             close()

@@ -54,6 +54,7 @@ from dart_client.apps.bench import METHODS
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import STAGES
+from dart_client.decoding.ties import Divergence, divergence, first_divergence
 from dart_client.embedded import SHIPPED_HEAD_DIR, display_path
 from dart_client.errors import DartError, InvalidArgumentError, MissingResourceError
 from dart_client.ngram.daemon import LocalDaemon
@@ -618,6 +619,22 @@ def _remote_pruner(
 class PromptRuns:
     prompt: Prompt
     runs: dict[str, list[Run]]
+    #: Greedy outputs that leave AR's, by method: where, and the target's margin there
+    #: (:func:`check_divergences`).
+    divergences: dict[str, Divergence] = field(default_factory=dict)
+
+
+def check_divergences(results: Sequence[WorkloadRuns], target: Any) -> None:
+    """For every greedy output that leaves autoregressive decoding's, the target's top-2
+    margin where it does (one plain forward of the transformers ``target``): a near-tie is
+    rounding between a tree forward and a one-token forward, anything else a bug."""
+    for wr in results:
+        for pr in wr.prompts:
+            want = pr.runs["ar"][0].tokens
+            for name, runs in pr.runs.items():
+                found = divergence(target, pr.prompt.ids, runs[0].tokens, want)
+                if name != "ar" and found is not None:
+                    pr.divergences[name] = found
 
 
 @dataclass
@@ -689,6 +706,7 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
             elapsed_all = 0.0
             tree_nodes: list[int] = []
             diverge: list[int] = []
+            margins: list[dict[str, Any]] = []
             for pr in wr.prompts:
                 runs = pr.runs[name]
                 med = _median_run(runs)
@@ -700,7 +718,19 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                     if got == want:
                         equal += 1
                     else:
-                        diverge.append(_first_difference(got, want))
+                        index = first_divergence(got, want)
+                        assert index is not None
+                        diverge.append(index)
+                    found = pr.divergences.get(name)
+                    if found is not None:
+                        margins.append(
+                            {
+                                "token": found.index,
+                                "margin": found.margin,
+                                "threshold": found.threshold,
+                                "near_tie": found.near_tie,
+                            }
+                        )
                 for r in runs:
                     hist.update(r.accept_lengths[1:])
                     tree_nodes.extend(r.tree_sizes[1:])
@@ -730,6 +760,8 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                 # Where each differing greedy output first leaves AR's (token index): in bf16
                 # a near-tie can flip between a 1-token and a tree forward (numerics).
                 "greedy_first_difference": diverge if settings.greedy else None,
+                # With check_divergences: the target's top-2 margin at each of them.
+                "greedy_divergences": margins if settings.greedy else None,
             }
         ar = per.get("ar", {}).get("tokens_per_s", 0.0)
         for m in per.values():
@@ -741,11 +773,6 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
             "methods": per,
         }
     return out
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    pairs = enumerate(zip(a, b, strict=False))  # lengths may differ (one stopped on EOS)
-    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -68,6 +68,20 @@ def build_record(
     }
 
 
+def _ties(found: list[dict[str, Any]] | None) -> str:
+    """What the target's margins say of the divergences: all near-ties, or which are not."""
+    if not found:
+        return ""
+    bad = [d for d in found if not d["near_tie"]]
+    if not bad:
+        return ": each at a near-tie of the target's logits"
+    worst = max(bad, key=lambda d: d["margin"] - d["threshold"])
+    return (
+        f": {len(bad)} NOT at a near-tie (token {worst['token']}: margin "
+        f"{worst['margin']:.3f} > {worst['threshold']:.3f})"
+    )
+
+
 def _fmt(v: Any, spec: str, none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
@@ -104,7 +118,8 @@ def markdown(record: dict[str, Any]) -> str:
             eq_text = "–" if eq is None else f"{eq}/{r['prompts']}"
             if r.get("greedy_first_difference"):
                 eq_text += (
-                    f" (differs at token {', '.join(map(str, r['greedy_first_difference']))})"
+                    f" (differs at token {', '.join(map(str, r['greedy_first_difference']))}"
+                    f"{_ties(r.get('greedy_divergences'))})"
                 )
             lines.append(
                 f"| {m} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}x | "
