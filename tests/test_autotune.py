@@ -73,6 +73,17 @@ class PlantedBuilder:
         return Tree.root_only(ctx[-1])
 
 
+def planted(
+    target: Any, head: DartHead, n: int, seed: int, new: int, **kwargs: Any
+) -> tuple[DartModel, list[list[int]], list[list[int]]]:
+    """A DartModel whose trees hold each of ``n`` prompts' greedy continuation (``new``
+    tokens), the prompts and prompt + continuation."""
+    base = DartModel(target)
+    ps = prompts(n, seed=seed)
+    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=new).tokens for p in ps]
+    return DartModel(target, head, tree_builder=PlantedBuilder(truths), **kwargs), ps, truths
+
+
 @pytest.mark.parametrize("lookup", [8, 0], ids=["lookup", "no-lookup"])
 def test_replay_equals_generation_with_the_real_pruner(
     target: Any, head: DartHead, tiny_ngram_path: Any, lookup: int
@@ -116,10 +127,7 @@ def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: Dar
 
 
 def test_autotune_curve_and_choice(target: Any, head: DartHead) -> None:
-    base = DartModel(target)
-    ps = prompts(2, seed=4)
-    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
-    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    dm, ps, _ = planted(target, head, 2, 4, 24)
     tuning = autotune(
         dm, prompts=ps, budgets=(13, 2, 9), continuation_tokens=24, context_tokens=32, repeats=2
     )
@@ -161,10 +169,7 @@ def test_on_the_static_path_the_draft_is_timed_inside_the_replay(
         return greedy_step(self, tree)
 
     monkeypatch.setattr(StaticVerifier, "greedy_step", recording)
-    base = DartModel(target)
-    ps = prompts(2, seed=4)
-    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=16).tokens for p in ps]
-    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    dm, ps, _ = planted(target, head, 2, 4, 16)
     tuning = autotune(
         dm, prompts=ps, budgets=(2, 9), continuation_tokens=16, context_tokens=32, repeats=2
     )
@@ -264,10 +269,7 @@ def test_the_tuning_clock_synchronises_on_cuda(monkeypatch: pytest.MonkeyPatch) 
 def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
     target: Any, head: DartHead
 ) -> None:
-    base = DartModel(target)
-    ps = prompts(3, seed=9)
-    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=24).tokens for p in ps]
-    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths), tree_budget="auto")
+    dm, ps, truths = planted(target, head, 3, 9, 24, tree_budget="auto")
     tuning = autotune(
         dm, prompts=ps, budgets=(2, 13), continuation_tokens=24, context_tokens=32, repeats=2,
         batch=3,
@@ -310,10 +312,7 @@ def test_a_batch_on_the_static_path_times_the_static_batch_program(
         return greedy_step(self, trees)
 
     monkeypatch.setattr(StaticBatchVerifier, "greedy_step", recording)
-    base = DartModel(target)
-    ps = prompts(2, seed=9)
-    truths = [p + ar_generate(base, input_ids=p, max_new_tokens=12).tokens for p in ps]
-    dm = DartModel(target, head, tree_builder=PlantedBuilder(truths))
+    dm, ps, _ = planted(target, head, 2, 9, 12)
     tuning = autotune(
         dm, prompts=ps, budgets=(2, 9), continuation_tokens=12, context_tokens=32, repeats=2,
         batch=3,
