@@ -496,3 +496,36 @@ def test_the_static_program_drafts_what_the_dynamic_batch_drafts(
             np.testing.assert_allclose(got.probs, want.probs, rtol=1e-5, atol=1e-6)
             steps += 1
     assert steps > 15
+
+
+def test_the_static_switch_takes_its_command_line_words(target: Any, head: DartHead) -> None:
+    """``static`` as the command lines give it ("on", "off", "auto") reaches batched
+    generation and every request of ``dart serve`` (``--static``) as the switch it names;
+    a served batch on the static path decodes as each prompt alone."""
+    from dart_client.apps.serve.app import build_parser
+    from dart_client.apps.serve.generation import Engine, Sampling
+    from dart_client.errors import InvalidArgumentError
+
+    assert build_parser().parse_args(["--static", "off"]).static == "off"
+    assert build_parser().parse_args([]).static == "auto"
+
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(3, seed=51)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=10) for p in prompts]
+    dm.tree_builder = Truths(truths, seed=4)
+    assert dm.batch_generator(static="off").static is False
+    assert dm.batch_generator(static="on").static is True
+    assert dm.batch_generator(static="auto").static is (target.device.type == "cuda")
+    with pytest.raises(InvalidArgumentError, match="static"):
+        dm.batch_generator(static="sometimes")
+    for word, expected in (("on", True), ("off", False)):
+        engine = Engine(dm, "tiny", 64, static=word)
+        sampling = Sampling(max_new_tokens=10, tree_budget=6)
+        assert engine.config(prompts[0], sampling).static is expected
+        batch = engine.batch_generator("dart", 2)
+        assert batch.static is expected
+        ids = [batch.add(engine.config(p, sampling, 2), input_ids=p) for p in prompts]
+        results = drain(batch)
+        for i, prompt, truth in zip(ids, prompts, truths, strict=True):
+            assert results[i].tokens == truth[len(prompt) :]
+        assert (batch.verifier is not None) is expected

@@ -57,11 +57,17 @@ class Engine:
     """A loaded model and the context limit requests must fit.
 
     ``max_model_len`` bounds prompt + new tokens (each request's KV cache is sized to what it
-    asks for, never more than this)."""
+    asks for, never more than this); ``static``: ``GenerationConfig.static`` for every
+    request, lone or batched (``"auto"``: the static path on one cuda device)."""
 
-    def __init__(self, model: Any, model_id: str, max_model_len: int) -> None:
+    def __init__(
+        self, model: Any, model_id: str, max_model_len: int, static: bool | str = "auto"
+    ) -> None:
         self.model = model
         self.model_id = model_id
+        from dart_client.decoding.config import parse_static
+
+        self.static = parse_static(static)
         limit = model.target.max_positions
         self.max_model_len = min(max_model_len, limit) if limit else max_model_len
         self.speculative = model.head is not None and model.tree_builder is not None
@@ -99,6 +105,7 @@ class Engine:
             stop=sampling.stop,
             seed=sampling.seed,
             tree_budget=sampling.tree_budget,
+            static=self.static,
         )
         return self.model.resolve_config(config, self.mode(sampling), batch)
 
@@ -117,7 +124,7 @@ class Engine:
         """A :class:`~dart_client.decoding.batch.BatchGenerator` for requests of ``mode``:
         up to ``max_batch`` decoded together, each within ``max_model_len``."""
         return self.model.batch_generator(
-            mode=mode, max_batch=max_batch, max_length=self.max_model_len
+            mode=mode, max_batch=max_batch, max_length=self.max_model_len, static=self.static
         )
 
 
@@ -141,10 +148,11 @@ def outcome_of(result: Any) -> Outcome:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model options of ``dart serve`` (those of ``dart generate``, plus the served name
     and context)."""
-    from dart_client.apps.options import add_model_arguments
+    from dart_client.apps.options import add_model_arguments, add_static_argument
 
     add_model_arguments(p)
     g = p.add_argument_group("served model")
+    add_static_argument(g)
     g.add_argument(
         "--served-model-name",
         default=None,
@@ -187,4 +195,4 @@ def load_engine(args: argparse.Namespace) -> Engine:
     if name is None:
         base = Path(args.base).stem if args.base else "smollm2-135m-instruct"
         name = f"dart-{base.split('/')[-1].lower()}"
-    return Engine(model, name, args.max_model_len)
+    return Engine(model, name, args.max_model_len, static=args.static)
