@@ -62,6 +62,7 @@ def test_buckets_and_capacity() -> None:
     assert resolve_static("auto", {gpu0}) is True
     assert resolve_static("auto", {gpu0, gpu1}) is False  # a target split over GPUs
     assert resolve_static(True, {cpu}) is True and resolve_static(False, {gpu0}) is False
+    assert resolve_static("off", {gpu0}) is False and resolve_static("on", {cpu}) is True
     assert GenerationConfig(static="off").static is False
     assert GenerationConfig(static="ON").static is True
     with pytest.raises(InvalidArgumentError, match="static"):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from dart_client.decoding.accept import accept_greedy, accept_sampling
-from dart_client.decoding.config import GenerationConfig, parse_static
+from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows_batch
 from dart_client.decoding.loop import (
     STAGES,
@@ -114,7 +114,7 @@ class BatchGenerator:
         tree = 1 + (max_length if nodes is None else min(nodes, max_length))
         if self.head is None:
             tree = 1
-        self.static = resolve_static(parse_static(static), target.layer_devices())
+        self.static = resolve_static(static, target.layer_devices())
         capacity = static_capacity(max_length, tree) if self.static else max_length + tree
         self.cache = target.new_cache(capacity, max_batch)
         self.max_tree = tree

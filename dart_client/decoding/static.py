@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from dart_client.decoding.accept import Acceptance
+from dart_client.decoding.config import parse_static
 from dart_client.decoding.draft import DraftRows
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.attention import decoding_sdpa
@@ -669,9 +670,11 @@ STATIC_CHOICES: tuple[Any, ...] = (True, False, "auto")
 
 
 def resolve_static(value: bool | str, devices: set[torch.device]) -> bool:
-    """Whether a target whose weights are on ``devices`` takes the static path. ``"auto"``:
-    on one cuda device (on the CPU attending over the whole capacity costs more than it
-    saves; a target split over devices has no single place for the cache and the graphs)."""
+    """Whether a target whose weights are on ``devices`` takes the static path. ``value``:
+    True, False, ``"auto"`` (or ``"on"``/``"off"``, as command lines give it). ``"auto"``:
+    on one cuda device (on the CPU the padded trees and windows cost more than they save; a
+    target split over devices has no single place for the cache and the graphs)."""
+    value = parse_static(value)
     if value == "auto":
         return len(devices) == 1 and next(iter(devices)).type == "cuda"
     return bool(value)
