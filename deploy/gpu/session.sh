@@ -32,8 +32,8 @@ run() {
     static) step static 120 env DART_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_static.py tests/test_head.py tests/test_attention.py tests/test_gpu_kernels.py \
         tests/test_batch.py ;;
-    bench) step bench 200 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
-        --workloads humaneval "$SG" --max-prompts 4 --max-new-tokens 128 --methods ar dart \
+    bench) step bench 280 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
+        --workloads humaneval "$SG" --max-prompts 8 --max-new-tokens 128 --methods ar dart \
         --compare-budgets 31 60 --no-progress --output-dir "$R/bench" ;;
     shapes) step shapes-8b 100 python3 -m dart_client.apps.bench.gpu_shapes --shape llama3-8b \
         --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-llama3-8b.json"
@@ -45,8 +45,8 @@ run() {
         --device cuda --json "$R/shapes-embedded-plain.json"
       step triton-on 120 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.gpu_shapes \
         --base embedded --device cuda --json "$R/shapes-embedded-triton.json"
-      step bench-triton 200 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.cli \
-        --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 4 \
+      step bench-triton 280 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.cli \
+        --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 8 \
         --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-triton" ;;
     real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
