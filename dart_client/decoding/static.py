@@ -187,11 +187,21 @@ class StaticPrograms:
     device: torch.device
     graphs: bool
     _pool: Any
+    buckets: tuple[int, ...]
     head: DartHead | None
     head_cache: HeadCache | None
 
     def _program(self, state: Any, kind: str) -> dict[str, Any]:
         raise NotImplementedError
+
+    def bucket(self, n: int) -> int:
+        """The bucket a tree of ``n`` nodes is padded to."""
+        for size in self.buckets:
+            if size >= n:
+                return size
+        raise InvalidArgumentError(
+            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
+        )
 
     def _take(self, target: TargetModel, graphs: bool) -> None:
         """Run on ``target``'s device (one device; CUDA graphs on cuda only)."""
@@ -388,15 +398,6 @@ class StaticVerifier(StaticPrograms):
     @property
     def max_tree(self) -> int:
         return self.buckets[-1]
-
-    def bucket(self, n: int) -> int:
-        """The bucket a tree of ``n`` nodes is padded to."""
-        for size in self.buckets:
-            if size >= n:
-                return size
-        raise InvalidArgumentError(
-            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
-        )
 
     # -- the step -------------------------------------------------------------------------
 

@@ -148,22 +148,11 @@ class StaticBatchVerifier(StaticPrograms):
             if head_cache is None:
                 raise InvalidArgumentError("drafting in the program needs the batched head cache")
             self._draft_with(head, head_cache, top_k)
-        self.clear()
-
-    def clear(self) -> None:
-        """Zero every row's positions from its length on: attention reads every row of the
-        program up to the window, and a masked key weighs exactly 0 only next to finite
-        values. Once; what later forwards and copies leave there is finite (the head's
-        cache is allocated zeroed)."""
+        # Attention reads every row of a program up to the window, and a masked key weighs
+        # exactly 0 only next to finite values: zero each row's positions from its length on,
+        # once (what later forwards and copies leave there is finite; the head's cache is
+        # allocated zeroed).
         self.cache.clear_tails()
-
-    def bucket(self, n: int) -> int:
-        for size in self.buckets:
-            if size >= n:
-                return size
-        raise InvalidArgumentError(
-            f"a tree of {n} nodes exceeds the largest static bucket ({self.buckets[-1]})"
-        )
 
     # -- the step ---------------------------------------------------------------------------
 

@@ -537,10 +537,7 @@ class HeadCache:
     def grow_rows(self, counts: Sequence[int]) -> None:
         """After a static batched draft wrote every live row's new real positions at its own
         length: row b is ``counts[b]`` longer."""
-        if len(counts) != len(self.rows):
-            raise ValueError(f"{len(counts)} counts for {len(self.rows)} live rows")
-        for b, count in enumerate(counts):
-            self.rows.lengths[b] += count
+        self.rows.grow(counts)
         self._set_rows()
 
     def put_row(self, row: int, source: HeadCache) -> None:

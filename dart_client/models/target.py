@@ -382,10 +382,7 @@ class TargetCache(Cache):
     def grow_rows(self, counts: Sequence[int]) -> None:
         """After a static batched step compacted every live row's accepted nodes to its own
         length (``dart_client.decoding.static_batch``): row b is ``counts[b]`` longer."""
-        if len(counts) != len(self.rows):
-            raise ValueError(f"{len(counts)} counts for {len(self.rows)} live rows")
-        for b, count in enumerate(counts):
-            self.rows.lengths[b] += count
+        self.rows.grow(counts)
         self._set_rows()
 
     @property
@@ -434,6 +431,13 @@ class RaggedRows:
             self.lengths.append(length)
         else:
             self.lengths[row] = length
+
+    def grow(self, counts: Sequence[int]) -> None:
+        """Row b is ``counts[b]`` longer (negative: shorter)."""
+        if len(counts) != len(self.lengths):
+            raise ValueError(f"{len(counts)} counts for {len(self.lengths)} live rows")
+        for b, count in enumerate(counts):
+            self.lengths[b] += count
 
     def drop(self, row: int) -> int | None:
         """Forget ``row``; returns the row whose K/V must move into it (None: it was last)."""
