@@ -17,7 +17,6 @@ import pytest
 
 from dart_client import embedded
 from dart_client.data import read_sharegpt
-from dart_client.decoding.ties import first_divergence, top2_margin  # noqa: F401 (tests import them from here)
 from dart_client.errors import MissingResourceError
 
 

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_DEVICE, first_divergence, top2_margin
+from conftest import TEST_DEVICE
 
 from dart_client import TEMPLATE_REGISTRY, DartModel, ar_generate, dart_generate
 from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.ties import divergence
 from dart_client.decoding.verify import Tree
 from dart_client.models.head import DartHead
 
@@ -86,19 +87,17 @@ def hf_greedy(model: Any, ids: list[int]) -> list[int]:
 def check_near_tie(
     model: Any, ids: list[int], got: list[int], want: list[int], dtype: torch.dtype, label: str
 ) -> tuple[int, float, float] | None:
-    """None when ``got == want``; else (index, margin, resolution) of the first divergence,
-    after asserting that the target's top-2 margin there is a numerical near-tie."""
-    if got == want:
+    """None when ``got == want``; else (index, margin, tie threshold) of the first
+    divergence, after asserting that the target's top-2 margin there is a numerical
+    near-tie."""
+    found = divergence(model, ids, got, want, TIE_ULPS[dtype])
+    if found is None:
         return None
-    i = first_divergence(got, want)
-    assert i is not None
-    margin, scale = top2_margin(model, ids + want[:i])
-    resolution = torch.finfo(dtype).eps * max(scale, 1.0)
-    assert margin <= TIE_ULPS[dtype] * resolution, (
-        f"{dtype}: {label!r} diverges at token {i} with a top-2 margin of {margin:.4f} "
-        f"(tie threshold {TIE_ULPS[dtype] * resolution:.4f}): not a numerical near-tie"
+    assert found.near_tie, (
+        f"{dtype}: {label!r} diverges at token {found.index} with a top-2 margin of "
+        f"{found.margin:.4f} (tie threshold {found.threshold:.4f}): not a numerical near-tie"
     )
-    return i, margin, resolution
+    return found.index, found.margin, found.threshold
 
 
 def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
@@ -129,7 +128,7 @@ def check_dtype(pair: tuple[Any, Any], dtype: torch.dtype) -> None:
     dm.target.close()
     print(
         f"\nSmolLM2 {dtype}: {exact}/{len(PROMPTS)} prompts match transformers exactly; "
-        f"divergences (prompt, index, margin, resolution): {report}"
+        f"divergences (prompt, index, margin, threshold): {report}"
     )
     assert longest >= 3, "no long accepted run: compaction untested on the real model"
     assert exact >= len(PROMPTS) // 2
@@ -418,6 +417,6 @@ def test_the_gpu_path_equals_ar_and_transformers_up_to_near_ties() -> None:
     print(
         f"\ncuda static path: tau {accepted / steps:.2f} over {steps} steps; {matched}/8 == AR, "
         f"AR == transformers on {hf_matched}/8; divergences (prompt, index, margin, "
-        f"resolution): {report}"
+        f"threshold): {report}"
     )
     assert accepted / steps >= SHIPPED_TAU_FLOOR
