@@ -282,7 +282,7 @@ class BatchGenerator:
                     self.head,
                     self.head_cache,
                     [row.taps if row.taps is not None else none for row in rows],
-                    [row.next_ids or [] if row.taps is not None else [] for row in rows],
+                    [row.next_ids if row.next_ids is not None else [] for row in rows],
                     self.model.draft_top_k,
                 )
                 for row, fresh, was_pending in zip(rows, drafted, pending, strict=True):

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+#: Triton's CPU interpreter (the tests' way of running the kernels), as the process started.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 #: Output dtypes the kernels write, as the constexpr they take.
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -46,7 +48,7 @@ def applies(*tensors: torch.Tensor) -> bool:
     if not available():
         return False
     grad = torch.is_grad_enabled()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = _INTERPRET
     first = tensors[0]
     return all(
         (t.device.type == "cuda" or interpret)
