@@ -463,9 +463,9 @@ class HeadCache:
         self._live: int | None = None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
-        #: Static mode (``dart_client.decoding.static``): the positions, a device tensor,
-        #: that the next keys are written to; attention then reads the buffer's first
-        #: ``window`` positions (None: all of it).
+        #: Static mode (``dart_client.decoding.static``): the positions ``(rows, n)``, a
+        #: device tensor, that the next keys of each row are written to; attention then
+        #: reads the buffer's first ``window`` positions (None: all of it).
         self.slots: torch.Tensor | None = None
         self.window: int | None = None
 
@@ -495,18 +495,12 @@ class HeadCache:
             self._allocate(k, v, k.shape[0])
         assert self._k is not None and self._v is not None
         if self.slots is not None:
-            # Static mode: no host-side length (the caller sets it once it is known). A
-            # batched cache's program runs its first rows, each at its own slots (rows, n).
-            keys, values = self._k, self._v
-            if k.shape[0] != keys.shape[0]:
-                keys, values = keys[: k.shape[0]], values[: k.shape[0]]
-            if self.slots.dim() == 1:
-                keys.index_copy_(2, self.slots, k)
-                values.index_copy_(2, self.slots, v)
-            else:
-                index = self.slots[:, None, :, None]
-                keys.scatter_(2, index.expand(k.shape), k)
-                values.scatter_(2, index.expand(v.shape), v)
+            # Static mode: no host-side length (the caller sets it once it is known). The
+            # program runs the cache's first rows, each writing its own slots (rows, n).
+            keys, values = self._k[: k.shape[0]], self._v[: k.shape[0]]
+            index = self.slots[:, None, :, None]
+            keys.scatter_(2, index.expand(k.shape), k)
+            values.scatter_(2, index.expand(v.shape), v)
             return keys[:, :, : self.window], values[:, :, : self.window]
         end = self.length + n
         if end > self.capacity:

@@ -109,9 +109,8 @@ class PreallocatedLayer(DynamicLayer):
         if self.slots is not None:
             # No host-side length: the caller moves it once it knows what was accepted. A
             # batched cache's program runs its first rows (a power of two of them).
-            k, v = self._k, self._v
-            if key_states.shape[0] != k.shape[0]:
-                k, v = k[: key_states.shape[0]], v[: key_states.shape[0]]
+            rows = key_states.shape[0]
+            k, v = self._k[:rows], self._v[:rows]
             k.index_copy_(2, self.slots, key_states)
             v.index_copy_(2, self.slots, value_states)
             window = self.window
