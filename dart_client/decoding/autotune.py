@@ -651,10 +651,10 @@ def _batch_costs(
         return lambda: verify_trees(target, cache, trees[b])
 
     def reset() -> None:
-        # The dynamic path moves only the frontier; the static one each row's length (and
-        # the head's rows, which its program drafts over).
+        # Every row back to n (the static path moves each row's length, the dynamic one the
+        # frontier, which the rows set again), and the head's rows, which the program
+        # drafts over.
         cache.grow_rows([n - length for length in cache.rows.lengths])
-        cache.truncate(n)
         if verifier is not None:
             head_cache.grow_rows([n - length for length in head_cache.rows.lengths])
 
