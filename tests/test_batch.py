@@ -202,6 +202,41 @@ def test_a_cancelled_row_frees_its_slot_and_the_others_go_on(
         assert results[ids[i]].tokens == truths[i][len(prompts[i]) :]
 
 
+def test_static_batches_keep_their_caches_and_programs_for_the_next(
+    target: Any, head: DartHead
+) -> None:
+    """A static batch borrows its caches from the target and gives them back, its verifier
+    (and on cuda the graphs it captured) with them: the next batch of that size decodes on
+    the same ones, also after a batch dropped in the middle of its run."""
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(3, seed=41)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=16) for p in prompts]
+    dm.tree_builder = Truths(truths, seed=4)
+    want = [t[len(p) :] for p, t in zip(prompts, truths, strict=True)]
+    config = {"max_new_tokens": 16, "tree_budget": 6, "max_length": 64}
+    first = dm.generate_batch(prompts, static=True, **config)
+    assert [r.tokens for r in first] == want
+    (cache,) = dm.target.__dict__["_static_batch_caches"][3]
+    (verifier,) = cache.static_verifiers.values()
+    assert not cache.lent and not len(cache.rows)
+    abandoned = dm.batch_generator(max_batch=3, max_length=64, static=True)
+    assert abandoned.cache is cache and abandoned.verifier is verifier
+    for prompt in prompts:
+        abandoned.add(GenerationConfig(**config), input_ids=prompt)
+    abandoned.step()
+    abandoned.step()
+    assert abandoned.live == 3
+    del abandoned  # mid-run: its rows are still in the caches
+    again = dm.batch_generator(max_batch=3, max_length=64, static=True)
+    ids = [again.add(GenerationConfig(**config), input_ids=p) for p in prompts[:0:-1]]
+    results = drain(again)
+    assert [results[i].tokens for i in ids] == want[:0:-1]
+    assert again.cache is cache and again.verifier is verifier
+    again.close()
+    assert dm.target.__dict__["_static_batch_caches"][3] == [cache]
+    assert list(cache.static_verifiers.values()) == [verifier]
+
+
 @STATIC
 def test_all_rows_ending_together_and_a_bad_prompt(
     static: bool, target: Any, head: DartHead

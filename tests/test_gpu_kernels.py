@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import TEST_DEVICE
 
+from dart_client.errors import InvalidArgumentError
+
 pytest.importorskip("triton")
 
 CHECK = textwrap.dedent(
@@ -51,7 +53,7 @@ CHECK = textwrap.dedent(
             same(wk, gk.rotary(k, cos, sin), "rotary k")
 
     config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, max_position_embeddings=256)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
@@ -117,8 +119,12 @@ def test_the_switch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     from dart_client.models import gpu_kernels
 
     monkeypatch.delenv("DART_GPU_KERNELS", raising=False)
-    assert not gpu_kernels.requested()
+    assert gpu_kernels.requested()  # the default
     monkeypatch.setenv("DART_GPU_KERNELS", " Triton ")
     assert gpu_kernels.requested()
-    monkeypatch.setenv("DART_GPU_KERNELS", "off")
-    assert not gpu_kernels.requested()
+    for off in ("torch", "off"):
+        monkeypatch.setenv("DART_GPU_KERNELS", off)
+        assert not gpu_kernels.requested()
+    monkeypatch.setenv("DART_GPU_KERNELS", "trition")
+    with pytest.raises(InvalidArgumentError, match="DART_GPU_KERNELS = 'trition'"):
+        gpu_kernels.requested()

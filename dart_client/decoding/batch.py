@@ -28,6 +28,7 @@ they finish or are cancelled (:meth:`cancel`; their slot is free for the next st
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from dart_client.decoding.loop import (
     new_run,
 )
 from dart_client.decoding.prune import build_trees, pruner_max_nodes
-from dart_client.decoding.static import resolve_static, static_capacity
+from dart_client.decoding.static import lend_cache, resolve_static, return_cache, static_capacity
 from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_trees
 from dart_client.errors import ContextTooLongError, InvalidArgumentError
@@ -115,15 +116,27 @@ class BatchGenerator:
         if self.head is None:
             tree = 1
         self.static = resolve_static(static, target.layer_devices())
-        capacity = static_capacity(max_length, tree) if self.static else max_length + tree
-        self.cache = target.new_cache(capacity, max_batch)
         self.max_tree = tree
         #: The static path's verifier, made at the first step (the cache's rows exist then).
         self.verifier: StaticBatchVerifier | None = None
         self.head_cache = None
-        if self.head is not None:
+        held = None
+        if self.static:
+            # The static caches (and the verifier's graphs with them) outlive the batch: the
+            # target keeps them for the next one, as a lone generation's.
+            self.cache = lend_cache(target, static_capacity(max_length, tree), batch=max_batch)
+            self._release = weakref.finalize(self, return_cache, target, self.cache)
+            held = self._held_verifier()
+        else:
+            self.cache = target.new_cache(max_length + tree, max_batch)
+        if held is not None:
+            self.verifier, self.head_cache = held, held.head_cache
+        elif self.head is not None:
             capacity = self.cache.capacity + self.head.config.draft_length + tree
             self.head_cache = self.head.new_cache(capacity, max_batch)
+        for cache in (self.cache, self.head_cache):
+            while cache is not None and len(cache.rows):  # a batch dropped mid-run left rows
+                cache.drop_row(len(cache.rows) - 1)
         self.rows: list[_Row] = []
         self.waiting: deque[tuple[int, _Run]] = deque()
         self.finished: dict[int, GenerationResult] = {}
@@ -184,18 +197,43 @@ class BatchGenerator:
                 return True
         return False
 
+    def close(self) -> None:
+        """Give the static caches back to the target (for the next batch); the generator is
+        unusable after. Dropping it does the same."""
+        if self.static:
+            self._release()
+
+    def _verifier_key(self) -> tuple[Any, ...]:
+        head = self.head
+        top_k = self.model.draft_top_k if head is not None else 0
+        return ("batch", id(head) if head is not None else None, top_k, self.device.type == "cuda")
+
+    def _held_verifier(self) -> StaticBatchVerifier | None:
+        """The verifier an earlier batch left on this cache for this head and setting, if
+        its trees' buckets still hold ours (its head cache comes with it)."""
+        held = self.cache.static_verifiers.get(self._verifier_key())
+        if (
+            isinstance(held, StaticBatchVerifier)
+            and held.target is self.target
+            and held.head is self.head
+            and held.buckets[-1] >= self.max_tree
+            and (self.head is None or held.head_cache is not None)
+        ):
+            return held
+        return None
+
     def _verifier(self) -> StaticBatchVerifier:
         if self.verifier is None:
-            graphs = self.device.type == "cuda"
             self.verifier = StaticBatchVerifier(
                 self.target,
                 self.cache,
                 self.max_tree,
-                graphs=graphs,
+                graphs=self.device.type == "cuda",
                 head=self.head,
                 head_cache=self.head_cache,
                 top_k=self.model.draft_top_k,
             )
+            self.cache.static_verifiers[self._verifier_key()] = self.verifier
         return self.verifier
 
     def _free(self, b: int) -> None:
@@ -404,8 +442,11 @@ def generate_batch(
         except InvalidArgumentError as err:  # empty, too long, ...: say which prompt
             raise type(err)(f"prompt {i}: {err}") from None
     results: dict[int, GenerationResult] = {}
-    while not batch.done:
-        batch.step()
-        results.update(batch.pop_finished())
+    try:
+        while not batch.done:
+            batch.step()
+            results.update(batch.pop_finished())
+    finally:
+        batch.close()
     results.update(batch.pop_finished())
     return [results[i] for i in ids]

@@ -681,26 +681,32 @@ def resolve_static(value: bool | str, devices: set[torch.device]) -> bool:
     return bool(value)
 
 
-#: Free static caches a target keeps for later generations (the largest ones: each serves any
-#: shorter context, graphs included). Concurrent generations beyond it allocate, and on return
-#: the smallest free caches beyond it are dropped, so a burst of long contexts does not pin
-#: their memory for the target's lifetime.
+#: Free static caches a target keeps for later generations, per kind (lone, or batched of a
+#: given row count): the largest ones, each serving any shorter context, graphs included.
+#: Concurrent generations beyond it allocate, and on return the smallest free caches beyond
+#: it are dropped, so a burst of long contexts does not pin their memory for the target's
+#: lifetime.
 KEEP_FREE_STATIC_CACHES = 2
 
 
-def _static_pool(target: TargetModel) -> list[TargetCache]:
-    return target.__dict__.setdefault("_static_caches", [])
+def _static_pool(target: TargetModel, batch: int | None = None) -> list[TargetCache]:
+    if batch is None:
+        return target.__dict__.setdefault("_static_caches", [])
+    pools = target.__dict__.setdefault("_static_batch_caches", {})
+    return pools.setdefault(batch, [])
 
 
-def lend_cache(target: TargetModel, capacity: int) -> TargetCache:
-    """A static cache of at least ``capacity`` for one generation: a free one the target
-    holds (its captured graphs come with it) or a new one it then holds. Give it back with
+def lend_cache(target: TargetModel, capacity: int, batch: int | None = None) -> TargetCache:
+    """A static cache of at least ``capacity`` for one generation (``batch``: for a batch of
+    that many rows, ``dart_client.decoding.batch``): a free one the target holds (its
+    captured graphs come with it) or a new one it then holds. Give it back with
     :func:`return_cache`; a cache still lent (a generation in progress) is never shared."""
-    pool = _static_pool(target)
+    pool = _static_pool(target, batch)
     free = [c for c in pool if not getattr(c, "lent", False) and c.capacity >= capacity]
     cache = min(free, key=lambda c: c.capacity) if free else None
     if cache is None:
-        cache = target.new_cache(capacity)
+        cache = target.new_cache(capacity) if batch is None else target.new_cache(capacity, batch)
+        cache.pool = batch  # type: ignore[attr-defined]
         pool.append(cache)
     cache.truncate(0)
     cache.lent = True  # type: ignore[attr-defined]
@@ -709,9 +715,9 @@ def lend_cache(target: TargetModel, capacity: int) -> TargetCache:
 
 def return_cache(target: TargetModel, cache: TargetCache) -> None:
     """``cache`` free again; the target keeps the :data:`KEEP_FREE_STATIC_CACHES` largest
-    free caches and lets the others go."""
+    free caches of its kind and lets the others go."""
     cache.lent = False  # type: ignore[attr-defined]
-    pool = _static_pool(target)
+    pool = _static_pool(target, getattr(cache, "pool", None))
     free = sorted((c for c in pool if not c.lent), key=lambda c: c.capacity, reverse=True)
     for dropped in free[KEEP_FREE_STATIC_CACHES:]:
         pool.remove(dropped)

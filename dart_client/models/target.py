@@ -585,10 +585,10 @@ class TargetModel:
         self.native_elementwise = 0
         if cpu_kernels:
             self.set_cpu_kernels(True)
-        #: Modules switched to the Triton kernels on cuda (``DART_GPU_KERNELS=triton``,
+        #: Modules switched to the Triton kernels on cuda (unless ``DART_GPU_KERNELS=torch``,
         #: :mod:`~dart_client.models.gpu_kernels`; 0: none).
         self.gpu_kernels = 0
-        if gpu_kernels.requested() and gpu_kernels.available() and self.device.type == "cuda":
+        if self.device.type == "cuda" and gpu_kernels.available() and gpu_kernels.requested():
             self.gpu_kernels = elementwise.use_native_elementwise(self.model, gpu=True)
 
     # -- properties -------------------------------------------------------------------------

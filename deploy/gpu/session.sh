@@ -41,13 +41,10 @@ run() {
         --device cuda --ngram "$NG" --json "$R/shapes-smollm2.json" ;;
     shapes-real) step shapes-embedded 90 python3 -m dart_client.apps.bench.gpu_shapes \
         --base embedded --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-embedded.json" ;;
-    triton) step triton-off 90 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
-        --device cuda --json "$R/shapes-embedded-plain.json"
-      step triton-on 120 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.gpu_shapes \
-        --base embedded --device cuda --json "$R/shapes-embedded-triton.json"
-      step bench-triton 280 env DART_GPU_KERNELS=triton python3 -m dart_client.apps.bench.cli \
-        --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 8 \
-        --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-triton" ;;
+    triton) step triton-off 90 env DART_GPU_KERNELS=torch python3 -m dart_client.apps.bench.gpu_shapes \
+        --base embedded --device cuda --json "$R/shapes-embedded-plain.json"
+      step triton-on 120 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
+        --device cuda --json "$R/shapes-embedded-triton.json" ;;
     real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
     profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \

@@ -219,6 +219,8 @@ def measure(
         "shape": shape,
         "device": str(dev),
         "gpu": torch.cuda.get_device_name(dev) if graphs else None,
+        # The layers' element-wise parts: the Triton kernels (cuda's default) or PyTorch's.
+        "gpu_kernels": "triton" if target.gpu_kernels else "torch",
         "dtype": str(dtype).removeprefix("torch."),
         "context": context,
         "tree_nodes": tree_nodes,

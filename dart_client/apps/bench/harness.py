@@ -819,6 +819,12 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
             if model.target.device.type == "cuda"
             else None
         ),
+        # The layers' element-wise parts on cuda: the Triton kernels (the default) or PyTorch's.
+        "gpu_kernels": (
+            ("triton" if model.target.gpu_kernels else "torch")
+            if model.target.device.type == "cuda"
+            else None
+        ),
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),
