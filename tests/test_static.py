@@ -28,6 +28,7 @@ from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.loop import PrefixCache
 from dart_client.decoding.static import (
     KEEP_FREE_STATIC_CACHES,
+    PREFILL_BUCKETS,
     WINDOW_ALIGN,
     StaticVerifier,
     attention_window,
@@ -141,7 +142,10 @@ def test_attention_reads_a_window_that_follows_the_length(tiny: Any) -> None:
     (cache,) = dm.target.__dict__["_static_caches"]
     assert cache.capacity > 2 * WINDOW_ALIGN  # room the windows did not read
     (verifier,) = cache.static_verifiers.values()
-    windows = {(window, head_window) for _, window, head_window in verifier._state}
+    # The prompt's prefill chunks draft nothing (no head window); the steps' programs do.
+    prefills = {(size, window) for size, window, head_window in verifier._state if not head_window}
+    assert prefills == {(PREFILL_BUCKETS[-1], WINDOW_ALIGN)}
+    windows = {(w, hw) for _, w, hw in verifier._state if hw}
     assert {w for w, _ in windows} == {WINDOW_ALIGN, 2 * WINDOW_ALIGN}
     assert all(WINDOW_ALIGN <= hw <= 2 * WINDOW_ALIGN for _, hw in windows)
 

@@ -470,22 +470,8 @@ class _Run:
         target = self.target
         kept = self.prefix_cache
         prompt_len = len(self.prompt)
-        ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
-        positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
-        logits, taps = target.forward(
-            ids, positions, cache, logits_to_keep=1, taps=drafter is not None
-        )
-        first = self._pick(logits[0, -1])
-        t = self._clock()
-        step0 = {"prefill": t - start}
-        event = self._emit([first], 1, 0, step0)
-        self._lap(t, "emit", step0)
-        for stage, seconds in step0.items():
-            self.timings[stage] += seconds
-        yield event
-
         static: StaticVerifier | None = None
-        if self.static and self.finish is None:
+        if self.static:
             graphs = self.device.type == "cuda"
             static = verifier_for(
                 target,
@@ -497,6 +483,24 @@ class _Run:
                 head_cache=kept.head_cache if begin > 0 and head is not None else None,
             )
             static.clear_tail()
+            # The prompt in fixed-shape chunks (graphs on cuda), not one eager forward.
+            last, taps = static.prefill(self.prompt[begin:])
+        else:
+            ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
+            positions = torch.arange(begin, prompt_len, device=self.device).unsqueeze(0)
+            logits, taps = target.forward(
+                ids, positions, cache, logits_to_keep=1, taps=drafter is not None
+            )
+            last = logits[0, -1]
+        first = self._pick(last)
+        t = self._clock()
+        step0 = {"prefill": t - start}
+        event = self._emit([first], 1, 0, step0)
+        self._lap(t, "emit", step0)
+        for stage, seconds in step0.items():
+            self.timings[stage] += seconds
+        yield event
+
         static_greedy = static is not None and self.params.greedy
         head_cache = None
         # What the next draft reads: the last forward's taps, the accepted nodes among them

@@ -62,6 +62,20 @@ class Tree:
         return cls.build([root], [-1])
 
     @classmethod
+    def chain(cls, tokens: Sequence[int]) -> Tree:
+        """One path: each node the child of the one before (a prompt chunk to prefill)."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("a chain needs at least one token")
+        return cls(
+            tokens=[int(t) for t in tokens],
+            parents=list(range(-1, n - 1)),
+            depths=torch.arange(n, dtype=torch.int64),
+            mask=torch.ones((n, n), dtype=torch.bool).tril(),
+            children=[[i + 1] for i in range(n - 1)] + [[]],
+        )
+
+    @classmethod
     def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> Tree:
         """The prefix-closed tree of ``paths`` (token sequences after the root), merged."""
         tokens = [root]

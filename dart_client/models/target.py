@@ -315,6 +315,20 @@ class TargetCache(Cache):
                 out += [(layer._k, 0), (layer._v, 0)]
         return out
 
+    def materialize(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: Any) -> None:
+        """Allocate every layer's buffers now, zeroed, not at the first forward's write: a
+        static program reads a window past what it writes, where a masked key weighs
+        exactly 0 only next to finite values."""
+        like = torch.empty((self.batch, kv_heads, 0, head_dim), dtype=dtype, device=device)
+        fresh = False
+        for layer in self._layers():
+            if not layer.is_initialized:
+                layer.lazy_initialization(like, like)
+                fresh = True
+        if fresh:
+            for buffer, _ in self.buffers():
+                buffer.zero_()
+
     def _set_rows(self) -> None:
         frontier = self.rows.frontier
         for layer in self._layers():
@@ -553,6 +567,7 @@ class TargetModel:
         self.hidden_size: int = self.config.hidden_size
         heads = self.config.num_attention_heads
         self.head_dim: int = getattr(self.config, "head_dim", None) or self.hidden_size // heads
+        self.kv_heads: int = getattr(self.config, "num_key_value_heads", None) or heads
         self.vocab_size: int = self.config.vocab_size
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
         self._taps: dict[int, torch.Tensor] = {}

@@ -34,7 +34,7 @@ run() {
         tests/test_batch.py ;;
     bench) step bench 280 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 8 --max-new-tokens 128 --methods ar dart \
-        --compare-budgets 31 60 --no-progress --output-dir "$R/bench" ;;
+        --no-progress --output-dir "$R/bench" ;;
     shapes) step shapes-8b 100 python3 -m dart_client.apps.bench.gpu_shapes --shape llama3-8b \
         --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-llama3-8b.json"
       step shapes-smollm2 60 python3 -m dart_client.apps.bench.gpu_shapes --shape smollm2 \
