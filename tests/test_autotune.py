@@ -267,14 +267,27 @@ def test_the_tuning_clock_synchronises_on_cuda(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
-    target: Any, head: DartHead
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The batch's pruning is timed as batched generation runs it: one build_trees call over
+    every row's inputs (in parallel in Rust), not a lone call times the rows."""
+    import dart_client.decoding.autotune as autotune_module
+
+    calls: list[tuple[int, ...]] = []
+    build_trees = autotune_module.build_trees
+
+    def recording(builder: Any, contexts: Any, rows: Any, budgets: Any, paths: Any) -> Any:
+        calls.append(tuple(budgets))
+        return build_trees(builder, contexts, rows, budgets, paths)
+
+    monkeypatch.setattr(autotune_module, "build_trees", recording)
     dm, ps, truths = planted(target, head, 3, 9, 24, tree_budget="auto")
     tuning = autotune(
         dm, prompts=ps, budgets=(2, 13), continuation_tokens=24, context_tokens=32, repeats=2,
         batch=3,
     )  # fmt: skip
     assert tuning.batch == 3 and "of 3 rows" in tuning.table()
+    assert sorted(set(calls)) == [(2, 2, 2), (13, 13, 13)] and len(calls) == 2 * 3
     for p in tuning.curve:
         # Every row's tokens count; the speedup is over fused AR of the same rows.
         assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)

@@ -35,7 +35,7 @@ from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows, draft_rows_batch
 from dart_client.decoding.loop import PRUNER_CONTEXT, generate
-from dart_client.decoding.prune import build_tree
+from dart_client.decoding.prune import build_tree, build_trees
 from dart_client.decoding.static import StaticVerifier, resolve_static, static_capacity
 from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_tree, verify_trees
@@ -221,8 +221,10 @@ def autotune(
     draft_times: list[float] = []
     prune_times: dict[int, list[float]] = {b: [] for b in clean}
     calibration_tokens = 0
+    calibrations = []
     for ids in encoded:
         cal = _Calibration(model, ids, continuation_tokens, clock)
+        calibrations.append(cal)
         draft_times.extend(cal.draft_seconds)
         calibration_tokens += cal.generated
         for b in clean:
@@ -249,8 +251,10 @@ def autotune(
     curve = []
     for b in clean:
         tau = statistics.fmean(steps[b]) if steps[b] else 1.0
-        prune_ms = 1e3 * statistics.median(prune_times[b]) if prune_times[b] else 0.0
-        prune_ms *= batch  # one call per row (at most: prune_batch runs them in parallel)
+        if batch > 1:
+            prune_ms = _batch_prune_ms(model, calibrations, b, batch, repeats, clock)
+        else:
+            prune_ms = 1e3 * statistics.median(prune_times[b]) if prune_times[b] else 0.0
         step = verify[b] + prune_ms + draft_ms
         tps = 1e3 * batch * tau / step
         curve.append(
@@ -398,17 +402,29 @@ class _Calibration:
             out.append(np.asarray(index.propose(config.max_tokens), dtype=np.int64))
         return out
 
+    @property
+    def roots(self) -> range:
+        """The root indices a step may start at (each has its draft rows)."""
+        return range(self.prompt_len, self.prompt_len + len(self.rows))
+
+    def pruner_inputs(
+        self, root: int, budget: int
+    ) -> tuple[np.ndarray, DraftRows, np.ndarray | None]:
+        """The pruner's context, draft rows and prompt-lookup path at root index ``root``."""
+        context = np.asarray(self.seq[: root + 1][-PRUNER_CONTEXT:], dtype=np.int64)
+        rows = self.rows[root - self.prompt_len]
+        config = self.model.prompt_lookup
+        path = None
+        if config is not None:
+            path = self.lookups[root - self.prompt_len][: config.path_length(budget)]
+        return context, rows, path
+
     def _accept(self, root: int, budget: int) -> tuple[int, float]:
         """Tokens one step at root index ``root`` yields with ``budget``, and the prune time."""
         key = (root, budget)
         if key not in self._memo:
             assert self.model.tree_builder is not None
-            context = np.asarray(self.seq[: root + 1][-PRUNER_CONTEXT:], dtype=np.int64)
-            rows = self.rows[root - self.prompt_len]
-            config = self.model.prompt_lookup
-            path = None
-            if config is not None:
-                path = self.lookups[root - self.prompt_len][: config.path_length(budget)]
+            context, rows, path = self.pruner_inputs(root, budget)
             t0 = self.clock()
             tree = build_tree(self.model.tree_builder, context, rows, budget, path)
             seconds = self.clock() - t0
@@ -435,6 +451,38 @@ class _Calibration:
             lengths.append(a)
             gen += a
         return lengths, seconds
+
+
+def _batch_prune_ms(
+    model: DartModel,
+    calibrations: Sequence[_Calibration],
+    budget: int,
+    batch: int,
+    repeats: int,
+    clock: _Clock,
+) -> float:
+    """Median milliseconds of one batched step's trees: ``batch`` rows' pruner inputs (steps
+    of the calibration continuations, in turn) in one :func:`build_trees` call, as batched
+    generation makes it (the Rust pruner builds them in parallel)."""
+    steps = [(cal, root) for cal in calibrations for root in cal.roots]
+    if not steps or model.tree_builder is None:
+        return 0.0
+    times = []
+    for group in range(max(3, repeats)):
+        inputs = [
+            cal.pruner_inputs(root, budget)
+            for cal, root in (steps[(group * batch + i) % len(steps)] for i in range(batch))
+        ]
+        t0 = clock()
+        build_trees(
+            model.tree_builder,
+            [c for c, _, _ in inputs],
+            [r for _, r, _ in inputs],
+            [budget] * batch,
+            [p for _, _, p in inputs],
+        )
+        times.append(clock() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def _greedy_continuation(
