@@ -21,6 +21,7 @@ from dart_client.decoding.autotune import (
     TreeBudgetTuning,
     _Calibration,
     _Clock,
+    _batch_prune_ms,
     auto_budget,
     autotune,
 )
@@ -99,6 +100,9 @@ def test_replay_equals_generation_with_the_real_pruner(
             lengths, _ = cal.replay(budget)
             got = dart_generate(dm, input_ids=prompt, max_new_tokens=20, tree_budget=budget)
             assert lengths == got.accept_lengths[1:], (prompt, budget)
+        # A batch's pruning takes every step's inputs in turn, more rows than steps included.
+        assert _batch_prune_ms(dm, [cal], 10, len(cal.roots) + 3, 3, clock) > 0
+    assert len(cal.roots) == 19  # 20 tokens: the prefill's first, then a root before each
 
 
 def test_replay_equals_generation_with_long_accepted_runs(target: Any, head: DartHead) -> None:

@@ -404,8 +404,8 @@ class _Calibration:
 
     @property
     def roots(self) -> range:
-        """The root indices a step may start at (each has its draft rows)."""
-        return range(self.prompt_len, self.prompt_len + len(self.rows))
+        """The root indices a step may start at (as :meth:`replay`'s: before the last)."""
+        return range(self.prompt_len, len(self.seq) - 1)
 
     def pruner_inputs(
         self, root: int, budget: int
