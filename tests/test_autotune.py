@@ -19,9 +19,9 @@ from conftest import TINY_VOCAB, make_tiny_target
 from dart_client import DartModel, ar_generate, dart_generate
 from dart_client.decoding.autotune import (
     TreeBudgetTuning,
+    _batch_prune_ms,
     _Calibration,
     _Clock,
-    _batch_prune_ms,
     auto_budget,
     autotune,
 )

@@ -27,6 +27,7 @@ from test_generate import (
 from dart_client import DartModel
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.static import PREFILL_BUCKETS
 from dart_client.decoding.verify import Tree
 from dart_client.errors import ContextTooLongError
 from dart_client.models.head import DartHead
@@ -218,6 +219,11 @@ def test_static_batches_keep_their_caches_and_programs_for_the_next(
     assert [r.tokens for r in first] == want
     (cache,) = dm.target.__dict__["_static_batch_caches"][3]
     (verifier,) = cache.static_verifiers.values()
+    # Each prompt was prefilled alone on the static path too: chunk programs over a lone
+    # static cache the target keeps (a graph each on cuda), then copied into its row.
+    (lone,) = dm.target.__dict__["_static_caches"]
+    (prefill,) = lone.static_verifiers.values()
+    assert not lone.lent and {size for size, _, _ in prefill._state} == {PREFILL_BUCKETS[0]}
     assert not cache.lent and not len(cache.rows)
     abandoned = dm.batch_generator(max_batch=3, max_length=64, static=True)
     assert abandoned.cache is cache and abandoned.verifier is verifier
@@ -537,6 +543,7 @@ def test_the_static_switch_takes_its_command_line_words(target: Any, head: DartH
     """``static`` as the command lines give it ("on", "off", "auto") reaches batched
     generation and every request of ``dart serve`` (``--static``) as the switch it names;
     a served batch on the static path decodes as each prompt alone."""
+    pytest.importorskip("uvicorn", reason="dart serve needs the `serve` extra (uvicorn)")
     from dart_client.apps.serve.app import build_parser
     from dart_client.apps.serve.generation import Engine, Sampling
     from dart_client.errors import InvalidArgumentError

@@ -27,12 +27,13 @@ they finish or are cancelled (:meth:`cancel`; their slot is free for the next st
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,10 +49,19 @@ from dart_client.decoding.loop import (
     new_run,
 )
 from dart_client.decoding.prune import build_trees, pruner_max_nodes
-from dart_client.decoding.static import lend_cache, resolve_static, return_cache, static_capacity
+from dart_client.decoding.static import (
+    lend_cache,
+    resolve_static,
+    return_cache,
+    static_capacity,
+    verifier_for,
+)
 from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_trees
 from dart_client.errors import ContextTooLongError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from dart_client.models.target import TargetCache
 
 
 @dataclass
@@ -255,24 +265,20 @@ class BatchGenerator:
             request, run = self.waiting.popleft()
             start = run._clock()
             prompt = run.prompt
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            positions = torch.arange(len(prompt), device=self.device).unsqueeze(0)
-            single = self.target.new_cache(len(prompt))
-            logits, taps = self.target.forward(
-                ids, positions, single, logits_to_keep=1, taps=self.head is not None
-            )
-            first = run._pick(logits[0, -1])
-            event = run._emit([first], 1, 0, {})
-            if run.finish is not None:
-                run.timings["prefill"] += run._clock() - start
-                self.finished[request] = run.result(start)
-                events.append((request, event))
-                continue
-            row = _Row(request, run, start)
-            slot = len(self.rows)
-            self.cache.put_row(slot, single)
+            with self._prefilled(prompt) as (last, taps, single):
+                first = run._pick(last)
+                event = run._emit([first], 1, 0, {})
+                if run.finish is not None:
+                    run.timings["prefill"] += run._clock() - start
+                    self.finished[request] = run.result(start)
+                    events.append((request, event))
+                    continue
+                row = _Row(request, run, start)
+                slot = len(self.rows)
+                self.cache.put_row(slot, single)
             if self.head is not None:
                 assert taps is not None and self.head_cache is not None
+                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
                 # The head reads the prompt's positions but the last now; the last (with
                 # the first token) joins the row's first batched draft.
                 head_single = self.head.new_cache(len(prompt) + self.head.config.draft_length)
@@ -289,6 +295,34 @@ class BatchGenerator:
             run.timings["prefill"] += run._clock() - start
             events.append((request, event))
         return events
+
+    @contextlib.contextmanager
+    def _prefilled(
+        self, prompt: list[int]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, TargetCache]]:
+        """A prompt prefilled alone: its last logits, its taps (with a head) and the
+        one-sequence cache that holds it (for :meth:`TargetCache.put_row`, inside the
+        block). On the static path in fixed-shape chunks over a static cache the target
+        lends (graphs on cuda, as a lone generation's prefill), not one eager forward."""
+        target = self.target
+        if not self.static:
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            positions = torch.arange(len(prompt), device=self.device).unsqueeze(0)
+            single = target.new_cache(len(prompt))
+            logits, taps = target.forward(
+                ids, positions, single, logits_to_keep=1, taps=self.head is not None
+            )
+            yield logits[0, -1], taps, single
+            return
+        # The batch's length limit, not the prompt's: one cache (and its graphs) serves all.
+        single = lend_cache(target, static_capacity(self.max_length, 1))
+        try:
+            verifier = verifier_for(target, single, 1, graphs=self.device.type == "cuda")
+            verifier.clear_tail()
+            last, taps = verifier.prefill(prompt)
+            yield last, taps, single
+        finally:
+            return_cache(target, single)
 
     def step(self) -> list[tuple[int, StreamEvent]]:
         """Admit waiting requests, then one fused step over every live row. Returns the
