@@ -151,6 +151,39 @@ def test_attention_reads_a_window_that_follows_the_length(tiny: Any) -> None:
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_the_prompt_prefills_in_chunks_and_eagerly_where_a_bucket_has_no_room(tiny: Any) -> None:
+    """The static path prefills the prompt in padded chain chunks: the last token's logits and
+    every token's taps as one eager forward's (float64), across chunks; a chunk whose bucket
+    would run past the trash slot (a prompt near the capacity) prefills eagerly instead."""
+    model, _ = tiny
+    rng = np.random.default_rng(9)
+    target = TargetModel(model)
+    chunk = PREFILL_BUCKETS[-1]
+    prompt = rng.integers(3, 300, size=chunk + 30).tolist()
+    ids = torch.tensor([prompt], device=target.device)
+    want_logits, want_taps = target.forward(
+        ids, torch.arange(len(prompt), device=target.device)[None], target.new_cache(512),
+        taps=True,
+    )  # fmt: skip
+    eager = []
+    forward = target.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        eager.append(args[0].shape[1])
+        return forward(*args, **kwargs)
+
+    target.forward = counted  # type: ignore[method-assign]
+    for capacity, eager_chunks in ((1024, []), (chunk + 64, [30])):
+        eager.clear()
+        cache = target.new_cache(capacity)
+        last, taps = StaticVerifier(target, cache, 8, graphs=False).prefill(prompt)
+        assert eager == eager_chunks and cache.length == len(prompt)
+        torch.testing.assert_close(last, want_logits[0, -1], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
+    target.forward = forward  # type: ignore[method-assign]
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_device_acceptance_and_compaction_match_the_host(tiny: Any) -> None:
     """greedy_step (acceptance and compaction on the device) against accept_greedy and
     TargetCache.keep on the dynamic path; trees that hold the target's argmax path, with
