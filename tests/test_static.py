@@ -142,10 +142,11 @@ def test_attention_reads_a_window_that_follows_the_length(tiny: Any) -> None:
     (cache,) = dm.target.__dict__["_static_caches"]
     assert cache.capacity > 2 * WINDOW_ALIGN  # room the windows did not read
     (verifier,) = cache.static_verifiers.values()
-    # The prompt's prefill chunks draft nothing (no head window); the steps' programs do.
-    prefills = {(size, window) for size, window, head_window in verifier._state if not head_window}
-    assert prefills == {(PREFILL_BUCKETS[-1], WINDOW_ALIGN)}
-    windows = {(w, hw) for _, w, hw in verifier._state if hw}
+    # The prompt's prefill chunk (its own size: the trees' buckets are smaller), then the steps.
+    chunk = PREFILL_BUCKETS[-1]
+    prefills = {(size, window) for size, window, _ in verifier._state if size == chunk}
+    assert prefills == {(chunk, WINDOW_ALIGN)}
+    windows = {(w, hw) for size, w, hw in verifier._state if size != chunk}
     assert {w for w, _ in windows} == {WINDOW_ALIGN, 2 * WINDOW_ALIGN}
     assert all(WINDOW_ALIGN <= hw <= 2 * WINDOW_ALIGN for _, hw in windows)
 
@@ -154,11 +155,30 @@ def test_attention_reads_a_window_that_follows_the_length(tiny: Any) -> None:
 def test_the_prompt_prefills_in_chunks_and_eagerly_where_a_bucket_has_no_room(tiny: Any) -> None:
     """The static path prefills the prompt in padded chain chunks: the last token's logits and
     every token's taps as one eager forward's (float64), across chunks; a chunk whose bucket
-    would run past the trash slot (a prompt near the capacity) prefills eagerly instead."""
-    model, _ = tiny
+    would run past the trash slot (a prompt near the capacity) prefills eagerly instead. With
+    a head, the chunks' programs (or the eager fallback) feed it the prompt, and the first
+    draft gives the dynamic path's rows over the same head cache contents."""
+    from dart_client.decoding.draft import draft_rows
+
+    model, head = tiny
     rng = np.random.default_rng(9)
     target = TargetModel(model)
     chunk = PREFILL_BUCKETS[-1]
+    head.bind_embedding(model.get_input_embeddings())
+    # One full chunk (the first draft's mask slots then lie past the chunk's head window
+    # unless the window counts the positions the chunk feeds), and two chunks.
+    for length in (chunk - 1, chunk):
+        prompt = rng.integers(3, 300, size=length).tolist()
+        cache = target.new_cache(1024)
+        static = StaticVerifier(target, cache, 8, graphs=False, head=head, top_k=5)
+        static.prefill(prompt)
+        want_taps = target.forward(
+            torch.tensor([prompt]), torch.arange(length)[None], target.new_cache(1024), taps=True
+        )[1]
+        after = torch.tensor([[*prompt[1:], 77]])
+        want = draft_rows(head, head.new_cache(length + 8), want_taps, after, 5)
+        got = static.first_draft(77)
+        np.testing.assert_allclose(got.probs, want.probs, rtol=1e-6, atol=1e-7)
     prompt = rng.integers(3, 300, size=chunk + 30).tolist()
     ids = torch.tensor([prompt], device=target.device)
     want_logits, want_taps = target.forward(
@@ -172,14 +192,31 @@ def test_the_prompt_prefills_in_chunks_and_eagerly_where_a_bucket_has_no_room(ti
         eager.append(args[0].shape[1])
         return forward(*args, **kwargs)
 
+    first = 77
+    dyn_cache = head.new_cache(len(prompt) + 8)
+    after = torch.tensor([[*prompt[1:], first]], device=target.device)
+    want_rows = draft_rows(head, dyn_cache, want_taps, after, 5)
     target.forward = counted  # type: ignore[method-assign]
     for capacity, eager_chunks in ((1024, []), (chunk + 64, [30])):
-        eager.clear()
-        cache = target.new_cache(capacity)
-        last, taps = StaticVerifier(target, cache, 8, graphs=False).prefill(prompt)
-        assert eager == eager_chunks and cache.length == len(prompt)
-        torch.testing.assert_close(last, want_logits[0, -1], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
+        for with_head in (False, True):
+            eager.clear()
+            cache = target.new_cache(capacity)
+            kwargs = {"head": head, "top_k": 5} if with_head else {}
+            static = StaticVerifier(target, cache, 8, graphs=False, **kwargs)
+            last, taps = static.prefill(prompt)
+            assert eager == eager_chunks and cache.length == len(prompt)
+            torch.testing.assert_close(last, want_logits[0, -1], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
+            if not with_head:
+                continue
+            rows = static.first_draft(first)
+            np.testing.assert_array_equal(rows.ids, want_rows.ids)
+            np.testing.assert_allclose(rows.probs, want_rows.probs, rtol=1e-6, atol=1e-7)
+            assert static.head_cache is not None
+            assert static.head_cache.length == dyn_cache.length == len(prompt)
+            for got, exp in zip(static.head_cache.buffers(), dyn_cache.buffers(), strict=True):
+                n = len(prompt)
+                torch.testing.assert_close(got[0][..., :n, :], exp[0][..., :n, :])
     target.forward = forward  # type: ignore[method-assign]
 
 

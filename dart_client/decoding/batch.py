@@ -50,6 +50,7 @@ from dart_client.decoding.loop import (
 )
 from dart_client.decoding.prune import build_trees, pruner_max_nodes
 from dart_client.decoding.static import (
+    StaticVerifier,
     lend_cache,
     resolve_static,
     return_cache,
@@ -265,7 +266,7 @@ class BatchGenerator:
             request, run = self.waiting.popleft()
             start = run._clock()
             prompt = run.prompt
-            with self._prefilled(prompt) as (last, taps, single):
+            with self._prefilled(prompt) as (last, taps, single, static):
                 first = run._pick(last)
                 event = run._emit([first], 1, 0, {})
                 if run.finish is not None:
@@ -276,7 +277,12 @@ class BatchGenerator:
                 row = _Row(request, run, start)
                 slot = len(self.rows)
                 self.cache.put_row(slot, single)
-            if self.head is not None:
+                if static is not None and static.head_cache is not None:
+                    # The head read the prompt in the prefill's programs: its first draft.
+                    assert self.head_cache is not None
+                    row.rows = static.first_draft(first)
+                    self.head_cache.put_row(slot, static.head_cache)
+            if self.head is not None and row.rows is None:
                 assert taps is not None and self.head_cache is not None
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
                 # The head reads the prompt's positions but the last now; the last (with
@@ -299,11 +305,13 @@ class BatchGenerator:
     @contextlib.contextmanager
     def _prefilled(
         self, prompt: list[int]
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, TargetCache]]:
-        """A prompt prefilled alone: its last logits, its taps (with a head) and the
-        one-sequence cache that holds it (for :meth:`TargetCache.put_row`, inside the
-        block). On the static path in fixed-shape chunks over a static cache the target
-        lends (graphs on cuda, as a lone generation's prefill), not one eager forward."""
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, TargetCache, StaticVerifier | None]]:
+        """A prompt prefilled alone: its last logits, its taps (with a head), the
+        one-sequence cache that holds it (for :meth:`TargetCache.put_row`, inside the block)
+        and on the static path the verifier that prefilled it. There in fixed-shape chunks
+        over a static cache the target lends (graphs on cuda, as a lone generation's
+        prefill), the head reading the prompt in the same programs (its cache the verifier's,
+        :meth:`StaticVerifier.first_draft` next), not one eager forward."""
         target = self.target
         if not self.static:
             ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
@@ -312,15 +320,24 @@ class BatchGenerator:
             logits, taps = target.forward(
                 ids, positions, single, logits_to_keep=1, taps=self.head is not None
             )
-            yield logits[0, -1], taps, single
+            yield logits[0, -1], taps, single, None
             return
         # The batch's length limit, not the prompt's: one cache (and its graphs) serves all.
         single = lend_cache(target, static_capacity(self.max_length, 1))
         try:
-            verifier = verifier_for(target, single, 1, graphs=self.device.type == "cuda")
+            verifier = verifier_for(
+                target,
+                single,
+                1,
+                graphs=self.device.type == "cuda",
+                head=self.head,
+                top_k=self.model.draft_top_k,
+            )
             verifier.clear_tail()
+            if verifier.head_cache is not None:
+                verifier.head_cache.truncate(0)
             last, taps = verifier.prefill(prompt)
-            yield last, taps, single
+            yield last, taps, single, verifier
         finally:
             return_cache(target, single)
 

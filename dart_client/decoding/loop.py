@@ -483,7 +483,11 @@ class _Run:
                 head_cache=kept.head_cache if begin > 0 and head is not None else None,
             )
             static.clear_tail()
-            # The prompt in fixed-shape chunks (graphs on cuda), not one eager forward.
+            if static.head_cache is not None:
+                # A conversation's next turn keeps its head positions below ``begin``.
+                static.head_cache.truncate(begin)
+            # The prompt in fixed-shape chunks (graphs on cuda), not one eager forward; the
+            # head reads it in the same programs.
             last, taps = static.prefill(self.prompt[begin:])
         else:
             ids = torch.tensor([self.prompt[begin:]], dtype=torch.long, device=self.device)
@@ -509,20 +513,23 @@ class _Run:
         if drafter is not None and self.finish is None:
             assert taps is not None
             t = self._clock()
-            if begin > 0:
-                assert kept is not None
-                head_cache = kept.head_cache
-                head_cache.truncate(begin)
-            elif static is not None:
+            if static is not None and static.head_cache is not None:
+                # The head read the prompt in the prefill's programs: its last position (with
+                # the first token) and the first draft remain.
+                assert isinstance(drafter, DartDrafter)
                 head_cache = static.head_cache
-                assert head_cache is not None
-                head_cache.truncate(0)
+                drafter.rows = static.first_draft(first)
             else:
-                head_cache = drafter.new_cache(head_capacity)
-            next_ids = torch.tensor(
-                [[*self.prompt[begin + 1 :], first]], dtype=torch.long, device=self.device
-            )
-            drafter.feed(head_cache, taps, next_ids)
+                if begin > 0:
+                    assert kept is not None
+                    head_cache = kept.head_cache
+                    head_cache.truncate(begin)
+                else:
+                    head_cache = drafter.new_cache(head_capacity)
+                next_ids = torch.tensor(
+                    [[*self.prompt[begin + 1 :], first]], dtype=torch.long, device=self.device
+                )
+                drafter.feed(head_cache, taps, next_ids)
             # The head's pass over the whole prompt is prefill work, not a per-step draft.
             self.timings["prefill"] += self._clock() - t
 

@@ -45,7 +45,7 @@ import torch
 
 from dart_client.decoding.accept import Acceptance
 from dart_client.decoding.config import parse_static
-from dart_client.decoding.draft import DraftRows
+from dart_client.decoding.draft import DraftRows, draft_rows
 from dart_client.decoding.verify import Tree
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.attention import decoding_sdpa
@@ -106,8 +106,9 @@ def attention_window(end: int, capacity: int) -> int:
 PREFILL_BUCKETS = (64, 256)
 
 #: Words of the packed input before the tree: the target cache's length, the tree's node
-#: count, the head cache's length.
-HEADER = 3
+#: count, the head cache's length, and for a prefill chunk the positions the head reads and
+#: the token after the last of them.
+HEADER = 5
 
 
 @dataclass
@@ -372,8 +373,11 @@ class StaticVerifier(StaticPrograms):
         #: Rejected nodes' K/V are "compacted" here, never into a live position.
         self.trash = self.capacity - 1
         self._state: dict[tuple[int, int, int], _Bucket] = {}
-        #: The bucket the last :meth:`forward` ran (what :meth:`draft` drafts from).
+        #: The bucket the last :meth:`forward` (or prefill chunk) ran: what :meth:`draft`
+        #: drafts from.
         self._forwarded: _Bucket | None = None
+        #: After :meth:`prefill`: the prompt's length and its last position's taps.
+        self._prefill_end: tuple[int, torch.Tensor] | None = None
         self._columns = torch.arange(self.capacity, device=device)
         self.head = None
         self.head_cache = None
@@ -457,37 +461,82 @@ class StaticVerifier(StaticPrograms):
         """Prefill ``tokens`` at the cache's length in fixed-shape chunks, each a chain tree
         padded to a :data:`PREFILL_BUCKETS` size (on cuda a graph per size and window),
         instead of one eager forward (a GPU step of a small model's eager forward is its
-        kernels' launches: 38 ms for SmolLM2-135M on an H200, a graph's replay 3 ms). A
-        chunk with no room for its bucket before the trash slot runs eagerly. Returns the
-        last token's logits ``(V,)`` and every token's taps ``(1, n, 3H)``."""
+        kernels' launches: 38 ms for SmolLM2-135M on an H200, a graph's replay 3 ms). With a
+        head, each chunk's program also runs the head over the chunk's positions whose next
+        token is known (all but the last token's: :meth:`first_draft` reads that one once the
+        first token is picked). A chunk with no room for its bucket before the trash slot
+        runs eagerly. Returns the last token's logits ``(V,)`` and every token's taps
+        ``(1, n, 3H)``."""
         if not tokens:
             raise InvalidArgumentError("nothing to prefill")
         chunk_limit = PREFILL_BUCKETS[-1]
+        head, head_cache = self.head, self.head_cache
         logits = None
         taps: list[torch.Tensor] = []
         for start in range(0, len(tokens), chunk_limit):
             chunk = list(tokens[start : start + chunk_limit])
             n = len(chunk)
+            # The head reads a position with the token after it: every one but the prompt's last.
+            fed = min(n, len(tokens) - 1 - start)
             size = next(b for b in PREFILL_BUCKETS if b >= n)
             length = self.cache.length
-            if length + size > self.trash:
+            # The first draft runs from the last chunk's bucket after its fed positions.
+            reserve = fed if start + n == len(tokens) else 0
+            room = head_cache is None or (
+                head_cache.length + reserve + size + self.masks <= self.head_trash
+            )
+            if length + size > self.trash or not room:
                 ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
                 positions = torch.arange(length, length + n, device=self.device).unsqueeze(0)
                 out_logits, out_taps = self.target.forward(
                     ids, positions, self.cache, logits_to_keep=1, taps=True
                 )
                 assert out_taps is not None
+                if head is not None and head_cache is not None and fed:
+                    after = torch.tensor(
+                        [tokens[start + 1 : start + 1 + fed]], dtype=torch.long, device=self.device
+                    )
+                    head(out_taps[:, :fed].to(head.fc.weight.dtype), after, head_cache, num_masks=0)
                 logits = out_logits[0, -1]
                 taps.append(out_taps)
+                self._forwarded = None
                 continue
-            state = self.load(Tree.chain(chunk), size=size, draft=False)
-            out = self._execute(state, "forward")
+            feed = None if head is None else (fed, tokens[start + fed])
+            state = self.load(
+                Tree.chain(chunk),
+                size=size,
+                draft=head is not None,
+                feed=feed,
+                head_reserve=reserve,
+            )
+            out = self._execute(state, "forward" if head is None else "prefill")
             self.cache.truncate(length + n)
+            if head_cache is not None:
+                head_cache.length += fed
             # Views of the program's buffers, which the next chunk overwrites.
             logits = out["logits"][0, n - 1].clone()
             taps.append(out["taps"][:, :n].clone())
+            state.last_taps = out["taps"]
+            self._forwarded = state
         assert logits is not None
-        return logits, torch.cat(taps, 1)
+        all_taps = torch.cat(taps, 1)
+        self._prefill_end = (len(tokens), all_taps[:, -1:])
+        return logits, all_taps
+
+    def first_draft(self, first: int) -> DraftRows:
+        """After :meth:`prefill` (with a head): the head reads the prompt's last position with
+        the ``first`` token after it and drafts the first tree's rows, in the draft program
+        over the last chunk (:meth:`draft`), or eagerly where that chunk ran eagerly."""
+        if self.head is None or self.head_cache is None or self._prefill_end is None:
+            raise InvalidArgumentError("first_draft() follows prefill() on a verifier with a head")
+        prompt_len, last_taps = self._prefill_end
+        self._prefill_end = None
+        state = self._forwarded
+        if state is not None:
+            last = (prompt_len - 1) % PREFILL_BUCKETS[-1]
+            return self.draft(Acceptance(nodes=[last], tokens=[], bonus=first))
+        ids = torch.tensor([[first]], dtype=torch.long, device=self.device)
+        return draft_rows(self.head, self.head_cache, last_taps, ids, self.top_k)
 
     def draft(self, acceptance: Acceptance) -> DraftRows:
         """After a sampling step (:meth:`forward`, then acceptance and compaction on the
@@ -533,15 +582,25 @@ class StaticVerifier(StaticPrograms):
 
     # -- buffers ---------------------------------------------------------------------------
 
-    def load(self, tree: Tree, size: int | None = None, draft: bool = True) -> _Bucket:
+    def load(
+        self,
+        tree: Tree,
+        size: int | None = None,
+        draft: bool = True,
+        feed: tuple[int, int] | None = None,
+        head_reserve: int = 0,
+    ) -> _Bucket:
         """Pack the tree into its bucket's host buffer (``size``: this one, not the tree's
-        bucket) and send it in one copy. ``draft=False``: for a forward the head drafts
-        nothing after (a prefill's): its window does not pick the program."""
+        bucket) and send it in one copy. ``draft=False``: for a forward the head reads
+        nothing of (a prefill's without a head): its window does not pick the program.
+        ``feed``: a prefill chunk's (positions the head reads, the token after them);
+        ``head_reserve``: head positions written before a draft from this bucket (the last
+        chunk's, before :meth:`first_draft`)."""
         n = len(tree)
         size = self.bucket(n) if size is None else size
         head = self.head_cache if draft else None
         if self.cache.length + size > self.trash or (
-            head is not None and head.length + size + self.masks > self.head_trash
+            head is not None and head.length + head_reserve + size + self.masks > self.head_trash
         ):
             raise InvalidArgumentError(
                 f"static cache overflow: a {size}-node bucket at length {self.cache.length} "
@@ -550,10 +609,11 @@ class StaticVerifier(StaticPrograms):
         window = attention_window(self.cache.length + size, self.capacity)
         head_window = 0
         if head is not None:
-            head_window = attention_window(head.length + size + self.masks, head.capacity)
+            head_end = head.length + head_reserve + size + self.masks
+            head_window = attention_window(head_end, head.capacity)
         key = (size, window, head_window)
         state = self._state.get(key) or self._new_bucket(size, window, head_window)
-        self._pack(state, tree)
+        self._pack(state, tree, feed)
         state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
         return state
 
@@ -576,12 +636,14 @@ class StaticVerifier(StaticPrograms):
         self._state[(size, window, head_window)] = state
         return state
 
-    def _pack(self, state: _Bucket, tree: Tree) -> None:
+    def _pack(self, state: _Bucket, tree: Tree, feed: tuple[int, int] | None = None) -> None:
         size, n = state.size, len(tree)
         words = state.host_in.numpy()
         words[:] = 0
         words[0], words[1] = self.cache.length, n
         words[2] = 0 if self.head_cache is None else self.head_cache.length
+        if feed is not None:
+            words[3], words[4] = feed
         words[HEADER : HEADER + n] = tree.tokens
         words[HEADER + size : HEADER + size + n] = tree.depths.numpy()
         parents = np.asarray(tree.parents, dtype=np.int64)
@@ -597,7 +659,8 @@ class StaticVerifier(StaticPrograms):
     @torch.no_grad()
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
         """Everything between the two copies, in fixed shapes: read the packed inputs, run
-        the padded forward, and for ``kind == "greedy"`` accept and compact; ``"draft"``: a
+        the padded forward, and for ``kind == "greedy"`` accept and compact; ``"prefill"``: a
+        prompt chunk's forward and the head's pass over it (:meth:`prefill`); ``"draft"``: a
         sampling step's draft from its accepted nodes (:meth:`draft`)."""
         size = state.size
         words = state.device_in
@@ -632,6 +695,18 @@ class StaticVerifier(StaticPrograms):
             self.cache.set_slots(None)
         assert taps is not None
         if kind == "forward":
+            return {"logits": logits, "taps": taps}
+        if kind == "prefill":
+            # The head reads the chunk's first words[3] positions (its draft is not used).
+            self._draft(
+                state.head_window,
+                taps,
+                tokens.unsqueeze(0),
+                nodes.unsqueeze(0),
+                words[3:4],
+                words[4:5],
+                words[2:3],
+            )
             return {"logits": logits, "taps": taps}
         accepted, count, bonus, paths = greedy_acceptance(
             logits.argmax(-1),
