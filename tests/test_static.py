@@ -209,7 +209,19 @@ def test_the_prompt_prefills_in_chunks_and_eagerly_where_a_bucket_has_no_room(ti
             torch.testing.assert_close(taps, want_taps, rtol=1e-10, atol=1e-10)
             if not with_head:
                 continue
+            kinds: list[str] = []
+
+            def recorded(
+                state: Any, kind: str, run: Any = static._execute, seen: Any = kinds
+            ) -> Any:
+                seen.append(kind)
+                return run(state, kind)
+
+            static._execute = recorded  # type: ignore[method-assign]
             rows = static.first_draft(first)
+            # A graph reads the buffers it was captured with: the draft after a prefill chunk
+            # is its own program, not the one after a sampling step's forward.
+            assert kinds == ([] if eager_chunks else ["draft:prefill"])
             np.testing.assert_array_equal(rows.ids, want_rows.ids)
             np.testing.assert_allclose(rows.probs, want_rows.probs, rtol=1e-6, atol=1e-7)
             assert static.head_cache is not None

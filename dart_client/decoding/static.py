@@ -130,6 +130,9 @@ class _Bucket:
     graphs: dict[str, Any]
     #: The last forward's taps (1, size, 3H): what a sampling step's draft reads.
     last_taps: torch.Tensor | None = None
+    #: The kind of program whose output ``last_taps`` is ("forward" or "prefill"): a draft
+    #: graph reads the buffer it was captured with, so each source has its own.
+    taps_from: str = "forward"
     #: A sampling step's draft inputs, [count, bonus, head length, path nodes] (pinned on
     #: cuda), their device copy, and its output [draft ids, draft probs] (float64).
     draft_host: torch.Tensor | None = None
@@ -451,7 +454,7 @@ class StaticVerifier(StaticPrograms):
         verification's does, for the caller's :meth:`TargetCache.keep`."""
         state = self.load(tree)
         out = self._execute(state, "forward")
-        state.last_taps = out["taps"]
+        state.last_taps, state.taps_from = out["taps"], "forward"
         self._forwarded = state
         n = len(tree)
         self.cache.truncate(self.cache.length + n)
@@ -516,7 +519,7 @@ class StaticVerifier(StaticPrograms):
             # Views of the program's buffers, which the next chunk overwrites.
             logits = out["logits"][0, n - 1].clone()
             taps.append(out["taps"][:, :n].clone())
-            state.last_taps = out["taps"]
+            state.last_taps, state.taps_from = out["taps"], "prefill"
             self._forwarded = state
         assert logits is not None
         all_taps = torch.cat(taps, 1)
@@ -563,7 +566,7 @@ class StaticVerifier(StaticPrograms):
         words[0], words[1], words[2] = count, acceptance.bonus, head_cache.length
         words[DRAFT_HEADER : DRAFT_HEADER + count] = acceptance.nodes
         state.draft_in.copy_(state.draft_host, non_blocking=state.draft_host.is_pinned())
-        out = self._execute(state, "draft")
+        out = self._execute(state, f"draft:{state.taps_from}")
         host = state.draft_out
         host.copy_(out["result"], non_blocking=host.is_pinned())
         if host.is_pinned():
@@ -660,11 +663,12 @@ class StaticVerifier(StaticPrograms):
     def _program(self, state: _Bucket, kind: str) -> dict[str, Any]:
         """Everything between the two copies, in fixed shapes: read the packed inputs, run
         the padded forward, and for ``kind == "greedy"`` accept and compact; ``"prefill"``: a
-        prompt chunk's forward and the head's pass over it (:meth:`prefill`); ``"draft"``: a
-        sampling step's draft from its accepted nodes (:meth:`draft`)."""
+        prompt chunk's forward and the head's pass over it (:meth:`prefill`);
+        ``"draft:forward"`` / ``"draft:prefill"``: the draft from the accepted nodes of the
+        forward or prefill program before it (:meth:`draft`)."""
         size = state.size
         words = state.device_in
-        if kind == "draft":
+        if kind.startswith("draft"):
             assert state.draft_in is not None and state.last_taps is not None
             given = state.draft_in
             ids, probs = self._draft(
