@@ -79,12 +79,45 @@ CHECK = textwrap.dedent(
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
     assert not calls
+    # The tree attention kernel against the same attention in float32 (strided K/V views of
+    # a longer cache, per-row and shared masks, query heads grouped over K/V heads).
+    def reference(q, k, v, mask):
+        g = q.shape[1] // k.shape[1]
+        kk, vv = (t.repeat_interleave(g, 1).float() for t in (k, v))
+        s = q.float() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask[..., : k.shape[2]].float()
+        return (s.softmax(-1) @ vv).transpose(1, 2)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for b, h, kv, n, length, d in ((1, 9, 3, 1, 37, 64), (2, 9, 3, 5, 300, 64),
+                                       (1, 4, 2, 64, 130, 16), (1, 32, 8, 3, 70, 128)):
+            k = torch.randn(b, kv, length + 40, d, device=device).to(dtype)[:, :, :length]
+            v = torch.randn(b, kv, length + 40, d, device=device).to(dtype)[:, :, :length]
+            q = torch.randn(b, n, h, d, device=device).to(dtype).transpose(1, 2)
+            mask = torch.zeros(b, 1, n, length + 40, device=device)
+            mask.masked_fill_(torch.rand(mask.shape, device=device) < 0.3, torch.finfo(dtype).min)
+            mask[..., 0] = 0
+            mask = mask.to(dtype)
+            got = gk.tree_attention(q, k, v, mask).float()
+            assert (got - reference(q, k, v, mask)).abs().max() < tolerance, (dtype, b, h, n)
     if device == "cuda":
         os.environ["DART_GPU_KERNELS"] = "triton"
         target = TargetModel(model)
         assert target.gpu_kernels > 0
         target.close()
         assert target.gpu_kernels == 0
+        # DART_GPU_ATTENTION=triton: the static path's forward on the tree attention kernel.
+        from dart_client.decoding.static import StaticVerifier
+        from dart_client.decoding.verify import Tree
+        tree = Tree.build([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1])
+        logits = {}
+        for switch in ("torch", "triton"):
+            os.environ["DART_GPU_ATTENTION"] = switch
+            target = TargetModel(model)
+            assert (target.replaced_attention is not None) == (switch == "triton")
+            cache = target.new_cache(512)
+            target.forward(ids[:1], torch.arange(11, device=device)[None], cache)
+            logits[switch] = StaticVerifier(target, cache, 8, graphs=True).forward(tree)[0].float()
+            target.close()
+        assert (logits["torch"] - logits["triton"]).abs().max() < 0.25
     print("OK")
     """
 )
@@ -128,3 +161,11 @@ def test_the_switch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("DART_GPU_KERNELS", "trition")
     with pytest.raises(InvalidArgumentError, match="DART_GPU_KERNELS = 'trition'"):
         gpu_kernels.requested()
+    # The tree attention kernel: experimental, off unless asked for.
+    monkeypatch.delenv("DART_GPU_ATTENTION", raising=False)
+    assert not gpu_kernels.attention_requested()
+    monkeypatch.setenv("DART_GPU_ATTENTION", "Triton")
+    assert gpu_kernels.attention_requested()
+    monkeypatch.setenv("DART_GPU_ATTENTION", "flash")
+    with pytest.raises(InvalidArgumentError, match="DART_GPU_ATTENTION = 'flash'"):
+        gpu_kernels.attention_requested()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dart_client import _native
+from dart_client.models import gpu_kernels
 from dart_client.models.native import DECODING_ROWS, SIMD_KERNELS, bf16_bits
 
 NAME = "dart_small_query"
@@ -56,6 +57,11 @@ def small_query_attention(
 
     b, h, n, d = query.shape
     kv, length = key.shape[1], key.shape[2]
+    if query.device.type == "cuda" and _gpu_tree_attention(
+        query, key, value, attention_mask, dropout, kwargs
+    ):
+        assert attention_mask is not None
+        return gpu_kernels.tree_attention(query, key, value, attention_mask, scaling), None
     # What neither direct path computes: transformers' SDPA path takes it.
     sdpa_only = (
         query.device.type != "cpu"
@@ -109,6 +115,31 @@ def small_query_attention(
     probs = torch.softmax(scores, dim=-1).view(b, kv, groups * n, length)
     out = torch.matmul(probs, value.to(compute)).view(b, h, n, d)
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _gpu_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether :func:`~dart_client.models.gpu_kernels.tree_attention` computes this (a cuda
+    model switched by :func:`use_small_query_attention` with ``gpu=True``): a float mask of
+    4 axes, K/V heads sharing the query heads, a power-of-two head size, no extras."""
+    h, kv, d = query.shape[1], key.shape[1], query.shape[3]
+    return (
+        attention_mask is not None
+        and attention_mask.dim() == 4
+        and attention_mask.is_floating_point()
+        and not dropout
+        and h % kv == 0
+        and d >= 16
+        and d & (d - 1) == 0
+        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "sliding_window"))
+        and gpu_kernels.applies(query, key, value)
+    )
 
 
 def _native_attention(
@@ -175,14 +206,15 @@ def register() -> str:
     return NAME
 
 
-def use_small_query_attention(model: nn.Module) -> str | None:
-    """Switch ``model`` (a transformers model on the CPU) to :data:`NAME`; returns the
-    implementation it had (for :func:`restore_attention`), or None when left alone (not on
-    the CPU, or no attention implementation to switch)."""
+def use_small_query_attention(model: nn.Module, gpu: bool = False) -> str | None:
+    """Switch ``model`` (a transformers model on the CPU; ``gpu``: on cuda, for the Triton
+    tree attention) to :data:`NAME`; returns the implementation it had (for
+    :func:`restore_attention`), or None when left alone (not on that device, or no attention
+    implementation to switch)."""
     config = getattr(model, "config", None)
     previous = getattr(config, "_attn_implementation", None)
     first = next(model.parameters(), None)
-    if previous is None or first is None or first.device.type != "cpu":
+    if previous is None or first is None or first.device.type != ("cuda" if gpu else "cpu"):
         return None
     if previous == NAME:
         return None

@@ -127,3 +127,51 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             BLOCK=k.triton.next_power_of_2(d), CODE=_DTYPE_CODE[x.dtype],
         )  # fmt: skip
     return out
+
+
+def attention_requested() -> bool:
+    """Whether ``DART_GPU_ATTENTION=triton`` asks for :func:`tree_attention` in cuda targets'
+    decoding (experimental, off by default: not yet measured on a GPU)."""
+    value = os.environ.get("DART_GPU_ATTENTION", "").strip().lower()
+    if value not in ("", "triton", "off", "torch"):
+        raise InvalidArgumentError(
+            f"DART_GPU_ATTENTION = {value!r}; expected 'triton' or 'torch' (the default)"
+        )
+    return value == "triton"
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention of a few dozen queries (a tree, or one token) over a cache window, in one
+    kernel: ``query`` ``(b, h, n, d)``, ``key`` / ``value`` ``(b, kv, L, d)`` (any strides:
+    views of the static cache), ``mask`` additive ``(b | 1, 1 | h, n, >= L)``. The query heads
+    of a K/V head are rows of one program, which reads each key once. Returns ``(b, n, h, d)``
+    (transformers' layout), computed in float32."""
+    b, h, n, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    if h % kv or d & (d - 1) or d < 16:
+        raise InvalidArgumentError(f"tree_attention: {h} query heads over {kv}, head size {d}")
+    groups = h // kv
+    out = torch.empty((b, n, h, d), dtype=query.dtype, device=query.device)
+    if not out.numel():
+        return out
+    mask = mask[..., :length]
+    mb = mask.stride(0) if mask.shape[0] == b and b > 1 else 0
+    mh = mask.stride(1) if mask.shape[1] == h and h > 1 else 0
+    k = _kernels()
+    block_m = 16 if groups * n <= 16 else 64
+    grid = (b * kv, k.triton.cdiv(groups * n, block_m))
+    k._tree_attention_kernel[grid](
+        query, key, value, mask, out,
+        *query.stride(), *key.stride(), *value.stride(),
+        mb, mh, mask.stride(2), mask.stride(3), *out.stride(),
+        kv, groups, n, length, scaling if scaling is not None else d**-0.5,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=d,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out

@@ -605,6 +605,13 @@ class TargetModel:
         self.gpu_kernels = 0
         if self.device.type == "cuda" and gpu_kernels.available() and gpu_kernels.requested():
             self.gpu_kernels = elementwise.use_native_elementwise(self.model, gpu=True)
+        if (
+            self.device.type == "cuda"
+            and gpu_kernels.available()
+            and gpu_kernels.attention_requested()
+        ):
+            # DART_GPU_ATTENTION=triton: the tree attention kernel (experimental).
+            self.replaced_attention = use_small_query_attention(self.model, gpu=True)
 
     # -- properties -------------------------------------------------------------------------
 

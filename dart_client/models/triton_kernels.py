@@ -73,3 +73,61 @@ def _rotary_kernel(
     out = _round(_round(x * cos, CODE) + _round(sign * other * sin, CODE), CODE)
     y = Y + ((b * heads + h) * tokens + t) * dim + i
     tl.store(y, out.to(Y.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, K, V, MASK, OUT,
+    qb, qh, qn, qd, kb, kh, kn, kd, vb, vh, vn, vd,
+    mb, mh, mn, mk, ob, on, oh, od,
+    kv_heads, groups, nodes, keys, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One K/V head's query rows (its ``groups`` query heads x ``nodes`` queries) against
+    its keys, a block of rows per program: online softmax over blocks of keys, float32.
+    Inputs are widened to float32 (``PRECISION`` "tf32" for half inputs, exact in TF32's
+    products; "ieee" for float32 inputs)."""
+    pid = tl.program_id(0)
+    b = pid // kv_heads
+    kv = pid % kv_heads
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = rows < groups * nodes
+    head = kv * groups + rows // nodes
+    node = rows % nodes
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + b * qb + head[:, None] * qh + node[:, None] * qn + dims[None, :] * qd,
+        mask=live[:, None], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(0, keys, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < keys
+        k = tl.load(
+            K + b * kb + kv * kh + cols[None, :] * kn + dims[:, None] * kd,
+            mask=inside[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        scores = tl.dot(q, k, input_precision=PRECISION) * scale
+        bias = tl.load(
+            MASK + b * mb + head[:, None] * mh + node[:, None] * mn + cols[None, :] * mk,
+            mask=live[:, None] & inside[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        scores = tl.where(inside[None, :], scores + bias, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        keep = tl.exp(best - new_best)
+        p = tl.exp(scores - new_best[:, None])
+        total = total * keep + tl.sum(p, 1)
+        v = tl.load(
+            V + b * vb + kv * vh + cols[:, None] * vn + dims[None, :] * vd,
+            mask=inside[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        acc = acc * keep[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        best = new_best
+    out = acc / total[:, None]
+    tl.store(
+        OUT + b * ob + node[:, None] * on + head[:, None] * oh + dims[None, :] * od,
+        out.to(OUT.dtype.element_ty), mask=live[:, None],
+    )  # fmt: skip

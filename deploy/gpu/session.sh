@@ -3,7 +3,7 @@
 # its own time limit and appends to one log, so a step that fails or runs long costs only itself.
 # Results (JSON, the logs) are packed into $OUT/results.tar after every step.
 #   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
-# STEP: env static bench shapes shapes-real triton real profile batched eagle3 generate
+# STEP: env static bench shapes shapes-real triton attention real profile batched eagle3 generate
 # (default: all, in that order).
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -45,6 +45,13 @@ run() {
         --base embedded --device cuda --json "$R/shapes-embedded-plain.json"
       step triton-on 120 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
         --device cuda --json "$R/shapes-embedded-triton.json" ;;
+    attention) step attention-off 90 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
+        --device cuda --json "$R/shapes-embedded-sdpa.json"
+      step attention-on 120 env DART_GPU_ATTENTION=triton python3 -m dart_client.apps.bench.gpu_shapes \
+        --base embedded --device cuda --json "$R/shapes-embedded-tree-attention.json"
+      step bench-attention 200 env DART_GPU_ATTENTION=triton python3 -m dart_client.apps.bench.cli \
+        --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 8 \
+        --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-attention" ;;
     real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
     profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \

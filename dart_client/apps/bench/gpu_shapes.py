@@ -221,6 +221,7 @@ def measure(
         "gpu": torch.cuda.get_device_name(dev) if graphs else None,
         # The layers' element-wise parts: the Triton kernels (cuda's default) or PyTorch's.
         "gpu_kernels": "triton" if target.gpu_kernels else "torch",
+        "gpu_attention": "triton" if target.replaced_attention and graphs else "sdpa",
         "dtype": str(dtype).removeprefix("torch."),
         "context": context,
         "tree_nodes": tree_nodes,

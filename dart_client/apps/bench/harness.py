@@ -825,6 +825,12 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
             if model.target.device.type == "cuda"
             else None
         ),
+        # Decoding attention on cuda: the Triton tree attention (DART_GPU_ATTENTION) or SDPA.
+        "gpu_attention": (
+            ("triton" if model.target.replaced_attention else "sdpa")
+            if model.target.device.type == "cuda"
+            else None
+        ),
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),

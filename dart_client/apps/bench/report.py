@@ -98,7 +98,8 @@ def markdown(record: dict[str, Any]) -> str:
         "",
         f"{env.get('target', '?')} ({env.get('dtype')}, {env.get('device')}"
         f"{', ' + env['gpu'] if env.get('gpu') else ''}"
-        f"{', Triton kernels' if env.get('gpu_kernels') == 'triton' else ''}), "
+        f"{', Triton kernels' if env.get('gpu_kernels') == 'triton' else ''}"
+        f"{', Triton tree attention' if env.get('gpu_attention') == 'triton' else ''}), "
         f"{env.get('cpu')}, {env.get('torch_threads')} threads, load average at start "
         f"{_load(env.get('load_average'))}; {mode}, batch 1, {st['max_new_tokens']} new "
         f"tokens at most, {st['repetitions']} repetitions (medians), methods interleaved.",
