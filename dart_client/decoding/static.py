@@ -829,7 +829,7 @@ def lend_cache(target: TargetModel, capacity: int, batch: int | None = None) -> 
     free = [c for c in pool if not getattr(c, "lent", False) and c.capacity >= capacity]
     cache = min(free, key=lambda c: c.capacity) if free else None
     if cache is None:
-        cache = target.new_cache(capacity) if batch is None else target.new_cache(capacity, batch)
+        cache = target.new_cache(capacity, batch or 1)
         cache.pool = batch  # type: ignore[attr-defined]
         pool.append(cache)
     cache.truncate(0)

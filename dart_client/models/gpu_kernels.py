@@ -33,19 +33,27 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-#: ``DART_GPU_KERNELS`` values: these kernels (the default), or PyTorch's own.
-SWITCH = {"": True, "triton": True, "on": True, "torch": False, "off": False}
+#: The switches' values: these kernels, or PyTorch's own.
+SWITCH = {"triton": True, "on": True, "torch": False, "off": False}
+
+
+def _switch(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as a :data:`SWITCH` value (unset: ``default``)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in SWITCH:
+        raise InvalidArgumentError(
+            f"{name} = {value!r}; expected 'triton' or 'torch' "
+            f"(the default: {'triton' if default else 'torch'})"
+        )
+    return SWITCH[value]
 
 
 def requested() -> bool:
     """Whether cuda targets take these kernels: unless ``DART_GPU_KERNELS`` is ``torch``
     (or ``off``)."""
-    value = os.environ.get("DART_GPU_KERNELS", "").strip().lower()
-    if value not in SWITCH:
-        raise InvalidArgumentError(
-            f"DART_GPU_KERNELS = {value!r}; expected 'triton' (the default) or 'torch'"
-        )
-    return SWITCH[value]
+    return _switch("DART_GPU_KERNELS", default=True)
 
 
 @functools.cache
@@ -132,12 +140,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def attention_requested() -> bool:
     """Whether ``DART_GPU_ATTENTION=triton`` asks for :func:`tree_attention` in cuda targets'
     decoding (experimental, off by default: not yet measured on a GPU)."""
-    value = os.environ.get("DART_GPU_ATTENTION", "").strip().lower()
-    if value not in ("", "triton", "off", "torch"):
-        raise InvalidArgumentError(
-            f"DART_GPU_ATTENTION = {value!r}; expected 'triton' or 'torch' (the default)"
-        )
-    return value == "triton"
+    return _switch("DART_GPU_ATTENTION", default=False)
 
 
 def tree_attention(
