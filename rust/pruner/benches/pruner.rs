@@ -206,6 +206,26 @@ fn benches(c: &mut Criterion) {
     });
     g.finish();
 
+    // Smaller trees: the CPU's lone 12-node trees and a batch row's 4 (the beam stops at the
+    // paths that can still lead to a kept node, so these make fewer lookups than 60).
+    let mut g = c.benchmark_group("budget");
+    for budget in [12usize, 4] {
+        let small: Vec<dart_pruner::DraftRequest<'_>> = reqs
+            .iter()
+            .map(|r| dart_pruner::DraftRequest {
+                budget: Some(budget),
+                ..*r
+            })
+            .collect();
+        g.bench_with_input(BenchmarkId::new("ngram", budget), &budget, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % small.len();
+                black_box(pruner.prune(&small[i]).unwrap())
+            })
+        });
+    }
+    g.finish();
+
     // The lookups of all 256 requests, replayed one request at a time.
     let recorded: Vec<Vec<(Vec<u32>, Vec<u32>)>> = reqs
         .iter()

@@ -132,6 +132,10 @@ fn keep_best(arena: &[Node], items: &mut Vec<Ranked>, n: usize, ties: &mut Vec<R
     if items.len() <= n {
         return;
     }
+    if n == 0 {
+        items.clear();
+        return;
+    }
     let cut = items.select_nth_unstable_by_key(n - 1, |r| r.key).1.key;
     // Everything strictly better than the n-th item is kept; the items tied with it (on
     // either side of it after the partial sort) compete for the remaining places.
@@ -336,12 +340,20 @@ fn run_with<S: NGramScorer + ?Sized>(
         }
         if level_index + 1 < levels {
             // Beam rank: non-EOS paths first, then score descending, then path ascending.
+            // Expanding a path pays only if a child of it is kept, and then so are the path
+            // (its `depth` nodes: scores never increase along a path), the child, and every
+            // path of its kind ranked above it at its level (none scores lower): so
+            // only the `budget - depth` best paths of each kind can be worth expanding. The
+            // beam stops there: the tree is the full beam's, and a search for a small tree
+            // (a batch row's) makes fewer lookups.
             let width = config.beam_width;
+            let room = budget.saturating_sub(depth as usize);
+            let non_eos = level.len();
             beam.clear();
-            keep_best(arena, level, width, ties);
+            keep_best(arena, level, width.min(room), ties);
             beam.extend(level.iter().map(|r| r.node));
-            if beam.len() < width {
-                keep_best(arena, level_eos, width - beam.len(), ties);
+            if non_eos < width {
+                keep_best(arena, level_eos, (width - non_eos).min(room), ties);
                 beam.extend(level_eos.iter().map(|r| r.node));
             }
         }
