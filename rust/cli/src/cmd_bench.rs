@@ -1,6 +1,6 @@
 //! `dart-ngram bench MODEL`: what queries cost on one model, at any size: open time,
-//! `P(c | context)` for 25 candidates and one 60-node prune, p50/p99, with the file's pages
-//! warm and (`--cold`) evicted before each query.
+//! `P(c | context)` for 25 candidates and one prune (60 draft nodes, `--budget`), p50/p99,
+//! with the file's pages warm and (`--cold`) evicted before each query.
 //!
 //! The workload is the pruner's (`dart_pruner::workload`): random walks over the model's own
 //! best continuations give 16-token contexts; each of a request's 8 rows holds 25 candidates
@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use dart_ngram::{Eviction, NGramModel, OpenOptions};
 use dart_pruner::workload::{draft_requests, walk_documents, OwnedRequest, Rng};
-use dart_pruner::{Pruner, PrunerConfig};
+use dart_pruner::{DraftRequest, Pruner, PrunerConfig};
 use serde::Serialize;
 
 use crate::cmd_build::emit;
@@ -68,6 +68,10 @@ pub struct Args {
     /// Copy the model into anonymous memory on huge pages (no cold figures then).
     #[arg(long, conflicts_with_all = ["cold", "cold_mapping", "prefetch"])]
     pub in_memory: bool,
+    /// Draft nodes of a timed prune (the reference's 60; DART's CPU trees are about 12, a
+    /// batch row's a few): the beam stops at the paths such a tree can use.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub budget: u64,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
     /// Print one JSON object.
@@ -149,6 +153,8 @@ pub struct BenchReport {
     pub bytes: u64,
     pub ngrams: u64,
     pub open_options: String,
+    /// Draft nodes of every timed prune.
+    pub prune_budget: usize,
     /// Open time with the file's pages warm, and (`--cold`) evicted first.
     pub open_ms_warm: f64,
     pub open_ms_cold: Option<f64>,
@@ -158,10 +164,10 @@ pub struct BenchReport {
     pub prob25_repeat: Option<Timing>,
     pub prob25_cold: Option<Timing>,
     pub prob25_cold_mapping: Option<Timing>,
-    pub prune60_warm: Option<Timing>,
-    pub prune60_repeat: Option<Timing>,
-    pub prune60_cold: Option<Timing>,
-    pub prune60_cold_mapping: Option<Timing>,
+    pub prune_warm: Option<Timing>,
+    pub prune_repeat: Option<Timing>,
+    pub prune_cold: Option<Timing>,
+    pub prune_cold_mapping: Option<Timing>,
     /// `--prefetch`: the open, lookups timed right after it (page cache dropped first), and
     /// seconds from the open until every page of the file was resident.
     pub open_ms_prefetch: Option<f64>,
@@ -242,6 +248,7 @@ fn time_prunes(
     m: &NGramModel,
     pruner: &Pruner<Arc<NGramModel>>,
     rs: &[OwnedRequest],
+    budget: usize,
     evict: Option<Eviction>,
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     let mut t = Vec::with_capacity(rs.len());
@@ -250,7 +257,11 @@ fn time_prunes(
             m.evict_pages(e)?;
         }
         // A single request is pruned on this thread: its faults are this thread's.
-        let (s, tree) = sample(|| pruner.prune(&r.request()));
+        let request = DraftRequest {
+            budget: Some(budget),
+            ..r.request()
+        };
+        let (s, tree) = sample(|| pruner.prune(&request));
         t.push(s);
         std::hint::black_box(tree?);
     }
@@ -291,6 +302,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         bytes: 0,
         ngrams: 0,
         open_options,
+        prune_budget: args.budget as usize,
         open_ms_warm: 0.0,
         open_ms_cold: None,
         warm_up_seconds: 0.0,
@@ -298,10 +310,10 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         prob25_repeat: None,
         prob25_cold: None,
         prob25_cold_mapping: None,
-        prune60_warm: None,
-        prune60_repeat: None,
-        prune60_cold: None,
-        prune60_cold_mapping: None,
+        prune_warm: None,
+        prune_repeat: None,
+        prune_cold: None,
+        prune_cold_mapping: None,
         open_ms_prefetch: None,
         prob25_prefetching: None,
         prefetch_seconds: None,
@@ -347,10 +359,22 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // Prunes first (their lookups differ from the rows' lookups only by the path taken), then
     // the lookups: both are first touches of most of their cache lines.
     let (half, rest) = requests.split_at(requests.len() / 2);
-    report.prune60_warm = Timing::of(time_prunes(&model, &pruner, half, None)?);
+    report.prune_warm = Timing::of(time_prunes(
+        &model,
+        &pruner,
+        half,
+        report.prune_budget,
+        None,
+    )?);
     report.prob25_warm = Timing::of(time_lookups(&model, &ls, None)?);
     report.prob25_repeat = Timing::of(time_lookups(&model, &ls, None)?);
-    report.prune60_repeat = Timing::of(time_prunes(&model, &pruner, half, None)?);
+    report.prune_repeat = Timing::of(time_prunes(
+        &model,
+        &pruner,
+        half,
+        report.prune_budget,
+        None,
+    )?);
     report.rss_kb = proc_status_kb("self", "VmRSS");
     report.rss_file_kb = proc_status_kb("self", "RssFile");
     // Each cold figure takes its own lookups and prunes: none was made before by this
@@ -361,20 +385,22 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let e = Some(Eviction::Mapping);
         report.prob25_cold_mapping =
             Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
-        report.prune60_cold_mapping = Timing::of(time_prunes(
+        report.prune_cold_mapping = Timing::of(time_prunes(
             &model,
             &pruner,
             cold_rs.next().unwrap_or(&[]),
+            report.prune_budget,
             e,
         )?);
     }
     if args.cold {
         let e = Some(Eviction::PageCache);
         report.prob25_cold = Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
-        report.prune60_cold = Timing::of(time_prunes(
+        report.prune_cold = Timing::of(time_prunes(
             &model,
             &pruner,
             cold_rs.next().unwrap_or(&[]),
+            report.prune_budget,
             e,
         )?);
     }
@@ -416,6 +442,7 @@ fn summary(r: &BenchReport) -> String {
         r.model, r.bytes, r.ngrams
     );
     let _ = writeln!(s, "open options     {}", r.open_options);
+    let _ = writeln!(s, "prune budget     {} draft nodes", r.prune_budget);
     let _ = writeln!(s, "open             {:.2} ms warm", r.open_ms_warm);
     if let Some(c) = r.open_ms_cold {
         let _ = writeln!(s, "open cold        {c:.2} ms");
@@ -427,10 +454,10 @@ fn summary(r: &BenchReport) -> String {
         ("P(c|ctx) x25 cold", &r.prob25_cold),
         ("P(c|ctx) x25 cold mapping", &r.prob25_cold_mapping),
         ("P(c|ctx) x25 while prefetching", &r.prob25_prefetching),
-        ("prune 60 warm", &r.prune60_warm),
-        ("prune 60 repeat", &r.prune60_repeat),
-        ("prune 60 cold", &r.prune60_cold),
-        ("prune 60 cold mapping", &r.prune60_cold_mapping),
+        ("prune warm", &r.prune_warm),
+        ("prune repeat", &r.prune_repeat),
+        ("prune cold", &r.prune_cold),
+        ("prune cold mapping", &r.prune_cold_mapping),
     ] {
         if let Some(t) = t {
             let _ = writeln!(

@@ -94,7 +94,8 @@ fn synth_build_info_sections_and_bench() {
     assert!(ok, "{err}");
     let r: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["bytes"].as_u64(), Some(size));
-    for key in ["prob25_warm", "prob25_repeat", "prune60_warm"] {
+    assert_eq!(r["prune_budget"].as_u64(), Some(60), "{out}");
+    for key in ["prob25_warm", "prob25_repeat", "prune_warm"] {
         assert_eq!(
             r[key]["n"].as_u64(),
             Some(if key.starts_with("prob") { 160 } else { 10 }),
@@ -107,11 +108,19 @@ fn synth_build_info_sections_and_bench() {
         );
     }
     assert_eq!(r["prob25_cold"]["n"].as_u64(), Some(5), "{out}");
-    assert_eq!(r["prune60_cold"]["n"].as_u64(), Some(5), "{out}");
+    assert_eq!(r["prune_cold"]["n"].as_u64(), Some(5), "{out}");
     assert!(r["open_ms_cold"].as_f64().is_some(), "{out}");
     // With only the mapping dropped, a lookup's pages are minor faults, and none is read
     // from disk.
-    for key in ["prob25_cold_mapping", "prune60_cold_mapping"] {
+    // Small trees (a batch row's), and a budget no tree has.
+    let (ok, out, err) = run(&["bench", m, "--requests", "20", "--budget", "4", "--json"]);
+    assert!(ok, "{err}");
+    let small: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(small["prune_budget"].as_u64(), Some(4), "{out}");
+    assert_eq!(small["prune_warm"]["n"].as_u64(), Some(10), "{out}");
+    let (ok, _, err) = run(&["bench", m, "--budget", "0"]);
+    assert!(!ok && err.contains("--budget"), "{err}");
+    for key in ["prob25_cold_mapping", "prune_cold_mapping"] {
         assert_eq!(r[key]["n"].as_u64(), Some(5), "{key}: {out}");
         assert!(
             r[key]["minor_faults"].as_f64().unwrap() > 0.0,
