@@ -359,22 +359,12 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // Prunes first (their lookups differ from the rows' lookups only by the path taken), then
     // the lookups: both are first touches of most of their cache lines.
     let (half, rest) = requests.split_at(requests.len() / 2);
-    report.prune_warm = Timing::of(time_prunes(
-        &model,
-        &pruner,
-        half,
-        report.prune_budget,
-        None,
-    )?);
+    let budget = report.prune_budget;
+    let prunes = |rs: &[OwnedRequest], evict| time_prunes(&model, &pruner, rs, budget, evict);
+    report.prune_warm = Timing::of(prunes(half, None)?);
     report.prob25_warm = Timing::of(time_lookups(&model, &ls, None)?);
     report.prob25_repeat = Timing::of(time_lookups(&model, &ls, None)?);
-    report.prune_repeat = Timing::of(time_prunes(
-        &model,
-        &pruner,
-        half,
-        report.prune_budget,
-        None,
-    )?);
+    report.prune_repeat = Timing::of(prunes(half, None)?);
     report.rss_kb = proc_status_kb("self", "VmRSS");
     report.rss_file_kb = proc_status_kb("self", "RssFile");
     // Each cold figure takes its own lookups and prunes: none was made before by this
@@ -385,24 +375,12 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let e = Some(Eviction::Mapping);
         report.prob25_cold_mapping =
             Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
-        report.prune_cold_mapping = Timing::of(time_prunes(
-            &model,
-            &pruner,
-            cold_rs.next().unwrap_or(&[]),
-            report.prune_budget,
-            e,
-        )?);
+        report.prune_cold_mapping = Timing::of(prunes(cold_rs.next().unwrap_or(&[]), e)?);
     }
     if args.cold {
         let e = Some(Eviction::PageCache);
         report.prob25_cold = Timing::of(time_lookups(&model, cold_ls.next().unwrap_or(&[]), e)?);
-        report.prune_cold = Timing::of(time_prunes(
-            &model,
-            &pruner,
-            cold_rs.next().unwrap_or(&[]),
-            report.prune_budget,
-            e,
-        )?);
+        report.prune_cold = Timing::of(prunes(cold_rs.next().unwrap_or(&[]), e)?);
     }
     if args.prefetch && !args.in_memory {
         model.evict_pages(Eviction::PageCache)?;
