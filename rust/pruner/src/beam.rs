@@ -240,6 +240,8 @@ fn run_with<S: NGramScorer + ?Sized>(
     beam.push(0);
     pool.clear();
     row_terms.resize(k, 0.0);
+    // Paths the full-width beam would hold at this level (the root's: one).
+    let mut full_beam = 1usize;
 
     for level_index in 0..levels {
         let w_level = config.level_weight(level_index);
@@ -345,17 +347,24 @@ fn run_with<S: NGramScorer + ?Sized>(
             // path of its kind ranked above it at its level (none scores lower): so
             // only the `budget - depth` best paths of each kind can be worth expanding. The
             // beam stops there: the tree is the full beam's, and a search for a small tree
-            // (a batch row's) makes fewer lookups.
+            // (a batch row's) makes fewer lookups. (This beam may then hold paths below the
+            // full beam's cut, in place of children of paths it dropped; every such path
+            // ranks behind `budget` nodes and never reaches the tree: docs/design.md.)
+            // EOS paths fill the places the full beam's non-EOS paths leave: counted in the
+            // full beam (`full_beam` paths, each with the row's non-EOS children), not in
+            // this one, which would let extra EOS paths in and change the tree.
             let width = config.beam_width;
             let room = budget.saturating_sub(depth as usize);
-            let non_eos = level.len();
+            let eos_in_row = eos.map_or(0, |e| row_ids.iter().filter(|&&t| t == e).count());
+            let full_non_eos = full_beam * (k - eos_in_row);
             beam.clear();
             keep_best(arena, level, width.min(room), ties);
             beam.extend(level.iter().map(|r| r.node));
-            if non_eos < width {
-                keep_best(arena, level_eos, (width - non_eos).min(room), ties);
+            if full_non_eos < width {
+                keep_best(arena, level_eos, (width - full_non_eos).min(room), ties);
                 beam.extend(level_eos.iter().map(|r| r.node));
             }
+            full_beam = (full_beam * k).min(width);
         }
     }
 

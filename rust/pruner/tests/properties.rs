@@ -216,8 +216,21 @@ fn assert_matches_slow(tree: &DraftTree, slow: &common::SlowTree) {
     }
 }
 
+/// `default` cases per property, or `PROPTEST_CASES` when set (a soak run:
+/// `PROPTEST_CASES=200000 cargo test --release -p dart-pruner --test properties`).
+fn cases(default: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default);
+    ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+    #![proptest_config(cases(1500))]
 
     #[test]
     fn agrees_with_slow_reference_and_keeps_every_guarantee(case in case_strategy()) {
@@ -616,7 +629,7 @@ fn pruner_is_shareable_across_threads() {
 
 proptest! {
     // Each case writes a model file: fewer cases.
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #![proptest_config(cases(300))]
 
     #[test]
     fn real_model_gives_the_brute_force_tree(case in case_strategy()) {
@@ -656,7 +669,7 @@ fn realistic_case() -> impl Strategy<Value = (Vec<Vec<u32>>, Vec<u32>, Vec<u32>,
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+    #![proptest_config(cases(40))]
 
     #[test]
     fn realistic_sizes_agree_with_slow_reference((docs, context, ids, probs) in realistic_case()) {
@@ -729,7 +742,7 @@ fn node_paths(tree: &DraftTree, beam_only: bool) -> HashSet<Vec<i64>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 800, ..ProptestConfig::default() })]
+    #![proptest_config(cases(800))]
 
     #[test]
     fn lookup_path_is_held_and_the_beam_fills_the_rest(
