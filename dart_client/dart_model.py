@@ -440,6 +440,8 @@ def build_model(
     cpu_kernels: bool = True,
     prompt_lookup: int = 8,
     tree_budget: int | str | None = None,
+    tune_batch: int = 1,
+    tune_prompts: Sequence[str] | None = None,
     notes: list[str] | None = None,
 ) -> DartModel:
     """The DartModel that command-line options describe (the CLIs, bench and UI load through
@@ -448,7 +450,9 @@ def build_model(
     ``ngram_server``; ``ngram_open``: ``NGram.open``'s options for a local one);
     ``prompt_lookup``: the longest prompt-lookup path merged into each tree (0 = off);
     ``template``: ``auto`` (the tokenizer's), ``none`` or a registry name. ``ar`` loads the
-    target only. Notes on what was chosen go to ``notes`` (else stderr)."""
+    target only. ``tree_budget="auto"`` tunes now (cached on disk): for one sequence and,
+    with ``tune_batch`` > 1, per row of that many decoded together (a server's batch), on
+    ``tune_prompts`` when given. Notes on what was chosen go to ``notes`` (else stderr)."""
     from dart_client.devices import check_device
 
     if device != "auto":  # device_map="auto" lets accelerate place the layers
@@ -509,7 +513,8 @@ def build_model(
             "cpu_kernels": cpu_kernels,
             "prompt_lookup": prompt_lookup,
         }
-        note(notes, tune_cached(model, key))
+        for batch in sorted({1, tune_batch}):
+            note(notes, tune_cached(model, key, batch=batch, prompts=tune_prompts))
     return model
 
 

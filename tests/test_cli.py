@@ -310,6 +310,53 @@ def test_auto_tree_budget_is_tuned_once_and_cached(
     assert json.loads(second.out)["tokens"] == json.loads(first.out)["tokens"]
 
 
+def test_tune_prompts_calibrate_the_auto_budget_and_key_its_cache(
+    tiny_dir: Path,
+    tiny_ngram_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    one_thread: None,
+) -> None:
+    """--tune-prompts FILE: the tuner calibrates on the file's prompts (JSON strings or
+    {"prompt": ...} lines), and its cache entry is apart from the built-in prompts' one; a bad
+    file is a one-line error naming the file and line, before any tuning."""
+    import dart_client.decoding.autotune as autotune
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path / "cache"))
+    seen: list[Any] = []
+    real = autotune.autotune
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("prompts"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "autotune", recorded)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"w5 w17 w200"\n\n{"prompt": "w9 w31", "source": "log"}\n')
+    argv = ["generate", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
+            "--ngram", str(tiny_ngram_path), "--raw", "--max-new-tokens", "4",
+            "w5 w17"]  # fmt: skip
+    assert main([*argv, "--tune-prompts", str(prompts)]) == 0
+    assert seen == [["w5 w17 w200", "w9 w31"]], seen
+    assert "tuned in" in capsys.readouterr().err
+    assert main(argv) == 0  # built-in prompts: another cache entry, tuned anew
+    assert seen[1] is None and len(seen) == 2
+    assert len(list((tmp_path / "cache" / "tuning").glob("*.json"))) == 2
+    capsys.readouterr()
+    for text, fragment in [
+        ('"w5"\n{"text": "w9"}\n', "prompts.jsonl:2: expected a non-empty JSON string"),
+        ('"w5"\nw9\n', "prompts.jsonl:2: not JSON"),
+        ("\n", "prompts.jsonl: no prompts"),
+    ]:
+        prompts.write_text(text)
+        assert main([*argv, "--tune-prompts", str(prompts)]) == 1
+        _one_line_error(capsys.readouterr().err, fragment)
+    assert main([*argv, "--tune-prompts", str(tmp_path / "absent.jsonl")]) == 1
+    _one_line_error(capsys.readouterr().err, "absent.jsonl: cannot read")
+    assert len(seen) == 2
+
+
 def test_ngram_open_options_reach_the_model(
     tiny_dir: Path, tiny_ngram_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

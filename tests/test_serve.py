@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -139,13 +140,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     """Both servers, started together (they load while the first tests run):
 
     * ``main``: an API key, a queue for the load test;
-    * ``batched``: the same, decoding up to 4 requests together (continuous batching);
+    * ``batched``: the same, decoding up to 4 requests together (continuous batching), with
+      the default ``--tree-budget auto`` (tuned at its start, for one and for 4 rows);
     * ``small``: a queue of one, an 8 s timeout, a 6 s shutdown grace, no API key."""
     tmp = tmp_path_factory.mktemp("serve")
     started = {
-        "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256"),
+        "main": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256", "--tree-budget=60"),
         "batched": spawn(tmp, f"--api-key={API_KEY}", "--max-queue=256", "--max-batch=4"),
-        "small": spawn(tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=6"),
+        "small": spawn(
+            tmp, "--max-queue=1", "--timeout=8", "--shutdown-grace=6", "--tree-budget=60"
+        ),
     }
     yield started
     for s in started.values():
@@ -438,6 +442,15 @@ def test_batched_requests_join_and_leave_while_a_long_one_streams(
         model="dart-smollm2-135m-instruct", messages=chat_messages(q), max_tokens=6, temperature=0
     )
     assert resp.choices[0].message.content == want
+
+
+def test_the_batched_server_tuned_its_trees_before_serving(batched: Server) -> None:
+    """--tree-budget auto (the default) tunes at the start, once for a lone request and once
+    per row of --max-batch rows; both land in the log (tuned now, or read from the cache)."""
+    log = batched.log.read_text()
+    lone = re.search(r"tree budget (\d+), tuned (in|earlier)", log)
+    rows = re.search(r"tree budget (\d+) per row of 4 decoded together, tuned (in|earlier)", log)
+    assert lone and rows, log
 
 
 # -- the small server: queue of one, timeout, cancellation, shutdown -----------------------------

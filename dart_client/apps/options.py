@@ -5,6 +5,7 @@ Only argument parsing lives here; loading is :func:`dart_client.dart_model.build
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dart_client.errors import DartError
@@ -155,16 +156,31 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-length", type=int, default=2048)
+    add_tree_budget_arguments(g)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    add_static_argument(g)
+
+
+def add_tree_budget_arguments(g: Any) -> None:
+    """``--tree-budget`` (default ``auto``) and ``--tune-prompts``: ``dart generate``'s and
+    ``dart serve``'s."""
     g.add_argument(
         "--tree-budget",
         type=_tree_budget,
         default="auto",
         help="draft nodes per step, or 'auto' (default): the fastest size measured for this "
-        "model and device the first time, then cached",
+        "model and device (and, serving batches, per row of --max-batch) the first time, then "
+        "cached",
     )
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None)
-    add_static_argument(g)
+    g.add_argument(
+        "--tune-prompts",
+        type=Path,
+        default=None,
+        metavar="JSONL",
+        help="calibration prompts for --tree-budget auto, one per line (a JSON string or "
+        '{"prompt": ...}): requests like the ones served (default: a few built-in ones)',
+    )
 
 
 def _tree_budget(value: str) -> int | str | None:
@@ -247,6 +263,10 @@ def _check(
 def load_model(args: argparse.Namespace) -> Any:
     """The DartModel the model options describe."""
     from dart_client.dart_model import build_model
+    from dart_client.decoding.autotune import read_tune_prompts
+
+    prompts_file = getattr(args, "tune_prompts", None)
+    tune_prompts = None if prompts_file is None else read_tune_prompts(prompts_file)
 
     return build_model(
         args.base,
@@ -262,4 +282,6 @@ def load_model(args: argparse.Namespace) -> Any:
         cpu_kernels=args.cpu_kernels,
         prompt_lookup=args.prompt_lookup,
         tree_budget=getattr(args, "tree_budget", None),
+        tune_batch=getattr(args, "max_batch", 1),
+        tune_prompts=tune_prompts,
     )

@@ -22,6 +22,7 @@ greedy one: sampling accepts somewhat less, the cost side is the same.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -291,19 +292,30 @@ def autotune(
 def auto_budget(model: DartModel, batch: int = 1, **kwargs: Any) -> int:
     """The tuned budget of ``model``, tuning once (the result stays in ``model.tree_tuning``;
     a batch size's in ``model.batch_tree_tunings[batch]``)."""
-    if batch > 1:
-        tunings = getattr(model, "batch_tree_tunings", None)
-        if tunings is None:
-            tunings = {}
-            model.batch_tree_tunings = tunings  # type: ignore[attr-defined]
-        if batch not in tunings:
-            tunings[batch] = autotune(model, batch=batch, **kwargs)
-        return int(tunings[batch].best_budget)
-    tuning = getattr(model, "tree_tuning", None)
+    tuning = kept_tuning(model, batch)
     if tuning is None:
-        tuning = autotune(model, **kwargs)
+        tuning = autotune(model, batch=batch, **kwargs)
+        keep_tuning(model, batch, tuning)
+    return int(tuning.best_budget)
+
+
+def kept_tuning(model: DartModel, batch: int = 1) -> TreeBudgetTuning | None:
+    """The tuning ``model`` holds for ``batch`` rows, if any."""
+    if batch == 1:
+        return getattr(model, "tree_tuning", None)
+    return (getattr(model, "batch_tree_tunings", None) or {}).get(batch)
+
+
+def keep_tuning(model: DartModel, batch: int, tuning: TreeBudgetTuning) -> None:
+    """Stores ``tuning`` where :func:`auto_budget` finds it."""
+    if batch == 1:
         model.tree_tuning = tuning
-    return tuning.best_budget
+        return
+    tunings = getattr(model, "batch_tree_tunings", None)
+    if tunings is None:
+        tunings = {}
+        model.batch_tree_tunings = tunings  # type: ignore[attr-defined]
+    tunings[batch] = tuning
 
 
 # -- internals -------------------------------------------------------------------------------
@@ -719,36 +731,80 @@ def _batch_costs(
 CACHE_VERSION = 1
 
 
-def tune_cached(model: DartModel, key: dict[str, Any]) -> str:
+def tune_cached(
+    model: DartModel,
+    key: dict[str, Any],
+    *,
+    batch: int = 1,
+    prompts: Sequence[str] | None = None,
+) -> str:
     """:func:`auto_budget` with the result cached on disk under ``key`` (what identifies the
-    target, head, n-gram, device and dtype: the caller's choice; the thread count is added),
-    so that a command line tunes once per setup rather than at every start. The cache lives
-    in ``<cache dir>/tuning/``; deleting a file there re-tunes. Returns a note saying what
-    happened; the tuning lands in ``model.tree_tuning``."""
+    target, head, n-gram, device and dtype: the caller's choice; the thread count, ``batch``
+    and the calibration ``prompts`` are added), so that a command line tunes once per setup
+    rather than at every start. The cache lives in ``<cache dir>/tuning/``; deleting a file
+    there re-tunes. Returns a note saying what happened; the tuning lands where
+    :func:`auto_budget` finds it (``model.tree_tuning``, ``model.batch_tree_tunings[batch]``).
+    ``prompts`` (default :data:`CALIBRATION_PROMPTS`): the deployment's own kind of request,
+    whose acceptance may differ from the built-in prompts'."""
     import hashlib
     import json
-    import os
 
     from dart_client.embedded import cache_dir
 
     full_key = {**key, "threads": torch.get_num_threads(), "version": CACHE_VERSION}
+    if batch != 1:
+        full_key["batch"] = batch
+    if prompts is not None:
+        full_key["prompts"] = hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
     text = json.dumps(full_key, sort_keys=True, default=str)
     path = cache_dir() / "tuning" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    rows = "" if batch == 1 else f" per row of {batch} decoded together"
     tuning = _read_tuning(path, text)
     if tuning is not None:
-        note = f"tree budget {tuning.best_budget}, tuned earlier for this setup ({path})"
+        note = f"tree budget {tuning.best_budget}{rows}, tuned earlier for this setup ({path})"
     else:
-        tuning = autotune(model)
+        tuning = autotune(model, batch=batch, prompts=prompts)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps({"key": json.loads(text), "tuning": tuning.to_dict()}))
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
         note = (
-            f"tree budget {tuning.best_budget}, tuned in {tuning.seconds:.1f} s and cached in "
-            f"{path} (delete it to re-tune; --tree-budget N skips tuning)"
+            f"tree budget {tuning.best_budget}{rows}, tuned in {tuning.seconds:.1f} s and cached "
+            f"in {path} (delete it to re-tune; --tree-budget N skips tuning)"
         )
-    model.tree_tuning = tuning
+    keep_tuning(model, batch, tuning)
     return note
+
+
+def read_tune_prompts(path: str | os.PathLike[str]) -> list[str]:
+    """Calibration prompts from a JSON Lines file: one prompt per line, a JSON string or an
+    object with a ``"prompt"`` string (blank lines skipped). Errors name the file and line."""
+    import json
+    from pathlib import Path
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidArgumentError(f"tune prompts {path}: cannot read: {err}") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise InvalidArgumentError(f"tune prompts {path}:{number}: not JSON: {err}") from None
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str) or not item.strip():
+            raise InvalidArgumentError(
+                f"tune prompts {path}:{number}: expected a non-empty JSON string or an object "
+                'with a "prompt" string'
+            )
+        out.append(item)
+    if not out:
+        raise InvalidArgumentError(f"tune prompts {path}: no prompts")
+    return out
 
 
 def _read_tuning(path: Any, key_text: str) -> TreeBudgetTuning | None:

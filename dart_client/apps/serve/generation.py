@@ -148,7 +148,11 @@ def outcome_of(result: Any) -> Outcome:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model options of ``dart serve`` (those of ``dart generate``, plus the served name
     and context)."""
-    from dart_client.apps.options import add_model_arguments, add_static_argument
+    from dart_client.apps.options import (
+        add_model_arguments,
+        add_static_argument,
+        add_tree_budget_arguments,
+    )
 
     add_model_arguments(p)
     g = p.add_argument_group("served model")
@@ -165,9 +169,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help=f"prompt + completion tokens a request may use (default {DEFAULT_MAX_MODEL_LEN}, "
         "capped by the target's positions)",
     )
-    g.add_argument(
-        "--tree-budget", type=int, default=None, help="draft nodes per step (default: the pruner's)"
-    )
+    add_tree_budget_arguments(g)
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
@@ -187,10 +189,6 @@ def load_engine(args: argparse.Namespace) -> Engine:
         if args.ngram is None and args.ngram_server is None:
             args.ngram = "embedded"
     model = load_model(args)
-    if args.tree_budget is not None:
-        if args.tree_budget < 0:
-            raise InvalidArgumentError(f"--tree-budget must be >= 0, got {args.tree_budget}")
-        model.tree_budget = args.tree_budget
     name = args.served_model_name
     if name is None:
         base = Path(args.base).stem if args.base else "smollm2-135m-instruct"
