@@ -366,7 +366,10 @@ class DartModel:
     ) -> BatchGenerator:
         """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
         this model; configs given to its ``add`` take :meth:`resolve_config` first (with
-        ``batch=max_batch``). ``static``: the static path (``"auto"``: on one cuda device)."""
+        ``batch=max_batch``), or keep ``tree_budget="auto"`` to have each step's trees sized
+        for the rows live then (from the tunings held: :meth:`tune` for 1, 2, 4, ...
+        ``max_batch`` rows first). ``static``: the static path (``"auto"``: on one cuda
+        device)."""
         return BatchGenerator(
             self, mode=mode, max_batch=max_batch, max_length=max_length, static=static
         )
@@ -451,8 +454,9 @@ def build_model(
     ``prompt_lookup``: the longest prompt-lookup path merged into each tree (0 = off);
     ``template``: ``auto`` (the tokenizer's), ``none`` or a registry name. ``ar`` loads the
     target only. ``tree_budget="auto"`` tunes now (cached on disk): for one sequence and,
-    with ``tune_batch`` > 1, per row of that many decoded together (a server's batch), on
-    ``tune_prompts`` when given. Notes on what was chosen go to ``notes`` (else stderr)."""
+    with ``tune_batch`` > 1, per row of up to that many decoded together (a server's batch:
+    :func:`~dart_client.decoding.autotune.tuned_batch_sizes`), on ``tune_prompts`` when
+    given. Notes on what was chosen go to ``notes`` (else stderr)."""
     from dart_client.devices import check_device
 
     if device != "auto":  # device_map="auto" lets accelerate place the layers
@@ -501,7 +505,7 @@ def build_model(
     if template == "none":
         model.template = None
     if parse_tree_budget(tree_budget) == "auto" and model.tree_builder is not None:
-        from dart_client.decoding.autotune import tune_cached
+        from dart_client.decoding.autotune import tune_cached, tuned_batch_sizes
 
         key = {
             "target": _identity(base),
@@ -513,7 +517,7 @@ def build_model(
             "cpu_kernels": cpu_kernels,
             "prompt_lookup": prompt_lookup,
         }
-        for batch in sorted({1, tune_batch}):
+        for batch in tuned_batch_sizes(tune_batch):
             note(notes, tune_cached(model, key, batch=batch, prompts=tune_prompts))
     return model
 

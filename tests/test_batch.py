@@ -571,3 +571,89 @@ def test_the_static_switch_takes_its_command_line_words(target: Any, head: DartH
         for i, prompt, truth in zip(ids, prompts, truths, strict=True):
             assert results[i].tokens == truth[len(prompt) :]
         assert (batch.verifier is not None) is expected
+
+
+class BudgetsSeen(Truths):
+    """:class:`Truths` that records the budgets of every batched call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[int]] = []
+
+    def build_batch(
+        self, contexts: Any, rows: Any, budgets: Any, lookup_paths: Any = None
+    ) -> list[Tree]:
+        self.seen.append([int(b) for b in budgets])
+        return super().build_batch(contexts, rows, budgets, lookup_paths)
+
+
+def tuned(budget: int, batch: int = 1) -> Any:
+    """A tuning result choosing ``budget`` (only its choice is read here)."""
+    from dart_client.decoding.autotune import TreeBudgetTuning
+
+    return TreeBudgetTuning(budget, [], 1.0, 0, 0, 0, "cpu", "float64", 1, 0.0, batch=batch)
+
+
+@STATIC
+def test_an_auto_budget_follows_the_rows_live_at_each_step(
+    static: bool, target: Any, head: DartHead
+) -> None:
+    """tree_budget="auto" in a batch: at every step each such row takes the budget tuned for
+    the smallest tuned batch size holding the rows live then (1 row: the lone one's; 2: the
+    2-row one's; 3 and 4: the 4-row one's), so a row left alone drafts a lone sequence's
+    tree; an explicit budget is kept; every output is its prompt's alone."""
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = random_prompts(4, seed=51)
+    news = [3, 8, 14, 30]
+    truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
+    builder = BudgetsSeen(truths, seed=5)
+    dm.tree_builder = builder
+    dm.tree_tuning = tuned(9)
+    dm.batch_tree_tunings = {2: tuned(5, 2), 4: tuned(2, 4)}
+    cap = {1: 9, 2: 5, 3: 2, 4: 2}
+    batch = dm.batch_generator(max_batch=4, max_length=64, static=static)
+    ids = [
+        batch.add(GenerationConfig(max_new_tokens=n, tree_budget="auto"), input_ids=p)
+        for p, n in zip(prompts, news, strict=True)
+    ]
+    results = drain(batch)
+    for i, request in enumerate(ids):
+        assert results[request].tokens == truths[i][len(prompts[i]) :]
+    assert builder.seen and all(max(b) <= cap[len(b)] for b in builder.seen), builder.seen
+    for rows in (1, 2, 4):  # each row count reached its cap (room was ample at some step)
+        assert any(len(b) == rows and max(b) == cap[rows] for b in builder.seen), builder.seen
+
+    builder.seen.clear()
+    batch = dm.batch_generator(max_batch=4, max_length=64, static=static)
+    auto = batch.add(GenerationConfig(max_new_tokens=30, tree_budget="auto"), input_ids=prompts[3])
+    fixed = batch.add(GenerationConfig(max_new_tokens=30, tree_budget=12), input_ids=prompts[3])
+    results = drain(batch)
+    assert results[auto].tokens == results[fixed].tokens == truths[3][len(prompts[3]) :]
+    assert sorted(builder.seen[0]) == [cap[2], 12], builder.seen
+
+
+def test_auto_budgets_come_from_the_tunings_held() -> None:
+    """budget_for_rows: the smallest tuned batch size holding the rows, else the largest;
+    with none held it tunes max_batch (once); a server tunes 1, the powers of two and its
+    batch."""
+    from types import SimpleNamespace
+
+    import dart_client.decoding.autotune as autotune
+
+    model = SimpleNamespace(tree_tuning=tuned(9), batch_tree_tunings={2: tuned(5), 8: tuned(1)})
+    assert [autotune.budget_for_rows(model, r, 8) for r in (1, 2, 3, 8, 9)] == [9, 5, 1, 1, 1]
+    calls: list[int] = []
+
+    def fake_autotune(m: Any, batch: int = 1, **kwargs: Any) -> Any:
+        calls.append(batch)
+        return tuned(3 + batch, batch)
+
+    bare = SimpleNamespace(tree_tuning=None, batch_tree_tunings={})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autotune, "autotune", fake_autotune)
+        assert autotune.budget_for_rows(bare, 2, 4) == 7
+        assert autotune.budget_for_rows(bare, 1, 4) == 7  # 4 rows' tuning: the one held
+    assert calls == [4]
+    assert [autotune.tuned_batch_sizes(n) for n in (1, 2, 3, 4, 6, 8)] == [
+        [1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6], [1, 2, 4, 8]
+    ]  # fmt: skip

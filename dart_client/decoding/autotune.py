@@ -299,6 +299,31 @@ def auto_budget(model: DartModel, batch: int = 1, **kwargs: Any) -> int:
     return int(tuning.best_budget)
 
 
+def tuned_batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a server decoding up to ``max_batch`` rows tunes for: 1, the powers
+    of two below ``max_batch``, and ``max_batch``."""
+    sizes = {1, max_batch}
+    size = 2
+    while size < max_batch:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def budget_for_rows(model: DartModel, rows: int, max_batch: int) -> int:
+    """The per-row budget for ``rows`` live rows, from the tunings ``model`` holds: that of
+    the smallest tuned batch size >= ``rows`` (its trees cost no more than it measured), else
+    of the largest. With none held, ``max_batch`` is tuned now (once)."""
+    held = {1: kept_tuning(model, 1), **(getattr(model, "batch_tree_tunings", None) or {})}
+    sizes = sorted(size for size, tuning in held.items() if tuning is not None)
+    if not sizes:
+        return auto_budget(model, batch=max_batch)
+    fits = [size for size in sizes if size >= rows]
+    tuning = held[fits[0] if fits else sizes[-1]]
+    assert tuning is not None
+    return int(tuning.best_budget)
+
+
 def kept_tuning(model: DartModel, batch: int = 1) -> TreeBudgetTuning | None:
     """The tuning ``model`` holds for ``batch`` rows, if any."""
     if batch == 1:

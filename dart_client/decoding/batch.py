@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dart_client.decoding.accept import accept_greedy, accept_sampling
+from dart_client.decoding.autotune import budget_for_rows
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows_batch
 from dart_client.decoding.loop import (
@@ -87,6 +88,11 @@ class BatchGenerator:
     allocated for it); ``max_batch`` bounds the live rows (more requests wait their turn);
     ``static``: verify on the static path (``"auto"``: on one cuda device;
     ``GenerationConfig.static``).
+
+    A request whose ``tree_budget`` is ``"auto"`` takes, at every step, the per-row budget
+    tuned for the number of rows live then (:func:`~dart_client.decoding.autotune.
+    budget_for_rows`): alone it drafts the lone sequence's tree, in a full batch the smaller
+    one each row of that batch can afford.
     """
 
     def __init__(
@@ -152,6 +158,8 @@ class BatchGenerator:
         self.waiting: deque[tuple[int, _Run]] = deque()
         self.finished: dict[int, GenerationResult] = {}
         self._ids = itertools.count()
+        #: Requests whose tree budget follows the live rows (``tree_budget="auto"``).
+        self._auto: set[int] = set()
         #: Seconds per stage over every step (:data:`~dart_client.decoding.loop.STAGES`).
         self.timings = dict.fromkeys(STAGES, 0.0)
         self.steps = 0
@@ -168,6 +176,9 @@ class BatchGenerator:
     ) -> int:
         """Queue a request; returns its id. Validated now: a bad request (empty, longer than
         the context, ...) raises here and leaves the batch as it was."""
+        auto = self.mode == "dart" and config.tree_budget == "auto"
+        if auto:
+            config = config.replace(tree_budget=None)  # bounded at each step instead
         run = new_run(self.model, config, self.mode, prompt, messages, input_ids)
         if run.max_length > self.max_length:
             if len(run.prompt) >= self.max_length:
@@ -178,6 +189,8 @@ class BatchGenerator:
             run.max_length = self.max_length
         request = next(self._ids)
         self.waiting.append((request, run))
+        if auto:
+            self._auto.add(request)
         return request
 
     @property
@@ -201,6 +214,7 @@ class BatchGenerator:
         for i, (waiting, _) in enumerate(self.waiting):
             if waiting == request:
                 del self.waiting[i]
+                self._auto.discard(request)
                 return True
         for b, row in enumerate(self.rows):
             if row.request == request:
@@ -249,6 +263,7 @@ class BatchGenerator:
 
     def _free(self, b: int) -> None:
         """Free row ``b``: the last live row moves into it, in the caches and here."""
+        self._auto.discard(self.rows[b].request)
         self.cache.drop_row(b)
         if self.head_cache is not None:
             self.head_cache.drop_row(b)
@@ -272,6 +287,7 @@ class BatchGenerator:
                 if run.finish is not None:
                     run.timings["prefill"] += run._clock() - start
                     self.finished[request] = run.result(start)
+                    self._auto.discard(request)
                     events.append((request, event))
                     continue
                 row = _Row(request, run, start)
@@ -359,6 +375,12 @@ class BatchGenerator:
             t = now
 
         budgets = [row.run.tree_budget_now() for row in rows]
+        if self._auto:
+            cap = budget_for_rows(self.model, len(rows), self.max_batch)
+            budgets = [
+                min(b, cap) if row.request in self._auto else b
+                for row, b in zip(rows, budgets, strict=True)
+            ]
         if self.head is not None:
             assert self.head_cache is not None
             pending = [row.taps is not None for row in rows]

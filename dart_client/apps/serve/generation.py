@@ -92,8 +92,9 @@ class Engine:
 
     def config(self, ids: list[int], sampling: Sampling, batch: int = 1) -> Any:
         """The request's :class:`GenerationConfig` (tree budget resolved for ``batch`` rows
-        decoded together)."""
-        from dart_client.decoding.config import GenerationConfig
+        decoded together; a batch's ``auto`` budget stays ``"auto"``: the batch sizes it to
+        the rows live at each step)."""
+        from dart_client.decoding.config import GenerationConfig, parse_tree_budget
 
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
@@ -107,7 +108,17 @@ class Engine:
             tree_budget=sampling.tree_budget,
             static=self.static,
         )
-        return self.model.resolve_config(config, self.mode(sampling), batch)
+        mode = self.mode(sampling)
+        budget = sampling.tree_budget
+        if (
+            batch > 1
+            and mode == "dart"
+            and budget is None
+            and parse_tree_budget(self.model.tree_budget) == "auto"
+            and getattr(self.model, "eagle3", None) is None
+        ):
+            return config.replace(tree_budget="auto")
+        return self.model.resolve_config(config, mode, batch)
 
     def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
         """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
