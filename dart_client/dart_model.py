@@ -351,10 +351,23 @@ class DartModel:
         (:mod:`dart_client.decoding.batch`). Each result equals what :meth:`generate` gives
         that prompt alone (greedy: the same tokens; sampling: the same distribution). At
         most ``max_batch`` (default: all) run at once, the others joining as rows free up.
-        For requests that come and go, use :meth:`batch_generator`."""
-        rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
-        config = self._resolved(config_from(config, overrides), mode, max(1, rows))
-        return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
+        ``tree_budget="auto"`` is tuned for that many rows, and as rows finish the rest take
+        the budget of the smallest tuned batch size that holds them (a lone sequence's once
+        :meth:`tune` has measured it). For requests that come and go, use
+        :meth:`batch_generator`."""
+        rows = max(1, len(prompts) if max_batch is None else min(max_batch, len(prompts)))
+        config = config_from(config, overrides)
+        resolved = self._resolved(config, mode, rows)
+        if (
+            rows > 1
+            and mode == "dart"
+            and self.eagle3 is None
+            and self.head is not None
+            and self.tree_builder is not None
+            and (self.tree_budget if config.tree_budget is None else config.tree_budget) == "auto"
+        ):
+            resolved = resolved.replace(tree_budget="auto")  # tuned above; sized per step
+        return generate_batch(self, prompts, resolved, mode=mode, max_batch=max_batch)
 
     def batch_generator(
         self,

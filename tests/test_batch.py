@@ -657,3 +657,32 @@ def test_auto_budgets_come_from_the_tunings_held() -> None:
     assert [autotune.tuned_batch_sizes(n) for n in (1, 2, 3, 4, 6, 8)] == [
         [1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6], [1, 2, 4, 8]
     ]  # fmt: skip
+
+
+def test_generate_batch_sizes_the_tail_from_the_tunings_held(target: Any, head: DartHead) -> None:
+    """generate_batch with tree_budget="auto": tuned for the batch (held here: 3 rows, 2
+    nodes), and once rows finish (they accept different amounts per step) the rest take the
+    smallest tuned size holding them (2 rows: still the 3-row tuning; 1 row: the lone
+    tuning's 9). An int budget stays fixed. Every output is its prompt's alone."""
+    dm = DartModel(target, head, tree_builder=None)
+    rng = np.random.default_rng(61)
+    # One max_length, prompts of 4, 30 and 46 tokens: 56, 30 and 14 new tokens each.
+    prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (4, 30, 46)]
+    limits = {"max_new_tokens": 64, "max_length": 60}
+    truths = [p + alone(dm, p, "ar", **limits) for p in prompts]
+    want = [t[len(p) :] for t, p in zip(truths, prompts, strict=True)]
+    assert [len(w) for w in want] == [56, 30, 14]
+    builder = BudgetsSeen(truths, seed=6)
+    dm.tree_builder = builder
+    dm.tree_tuning = tuned(9)
+    dm.batch_tree_tunings = {3: tuned(2, 3)}
+    outs = dm.generate_batch(prompts, tree_budget="auto", **limits)
+    assert [o.tokens for o in outs] == want
+    seen = list(builder.seen)
+    assert all(max(b) <= 2 for b in seen if len(b) > 1), seen
+    assert any(len(b) == 1 and max(b) == 9 for b in seen), seen
+    builder.seen.clear()
+    outs = dm.generate_batch(prompts, tree_budget=5, **limits)
+    assert [o.tokens for o in outs] == want
+    assert all(max(b) <= 5 for b in builder.seen), builder.seen
+    assert any(len(b) == 1 and max(b) == 5 for b in builder.seen), builder.seen
