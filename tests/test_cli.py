@@ -274,34 +274,41 @@ def test_unreachable_hub_id_is_one_line() -> None:
     _one_line_error(done.stderr, "no-such-owner/no-such-model: not a local path, and loading")
 
 
+@pytest.fixture
+def tunings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, Any]]:
+    """Every tree-budget tuning run from now on, by its keyword arguments (the real one runs);
+    the tuning cache in ``tmp_path / "cache"``."""
+    import dart_client.decoding.autotune as autotune
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path / "cache"))
+    calls: list[dict[str, Any]] = []
+    real = autotune.autotune
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "autotune", recorded)
+    return calls
+
+
 def test_auto_tree_budget_is_tuned_once_and_cached(
     tiny_dir: Path,
     tiny_ngram_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tunings: list[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
     one_thread: None,
 ) -> None:
     """The default --tree-budget auto tunes at the first start and reads the cached result
     at the next: the same budget, no second tuning."""
-    import dart_client.decoding.autotune as autotune
-
-    monkeypatch.setenv("DART_CACHE", str(tmp_path))
-    tunings: list[int] = []
-    real = autotune.autotune
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        tunings.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(autotune, "autotune", counted)
     argv = ["generate", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
             "--ngram", str(tiny_ngram_path), "--raw", "--max-new-tokens", "4", "--json",
             "w5 w17 w200"]  # fmt: skip
     assert main(argv) == 0
     first = capsys.readouterr()
     assert "tuned in" in first.err and len(tunings) == 1, first.err
-    assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
+    assert len(list((tmp_path / "cache" / "tuning").glob("*.json"))) == 1
     assert main(argv) == 0
     second = capsys.readouterr()
     assert "tuned earlier" in second.err and len(tunings) == 1, second.err
@@ -313,7 +320,7 @@ def test_auto_tree_budget_is_tuned_once_and_cached(
 def test_tune_prompts_calibrate_the_auto_budget_and_key_its_cache(
     tiny_dir: Path,
     tiny_ngram_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tunings: list[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
     one_thread: None,
@@ -321,27 +328,16 @@ def test_tune_prompts_calibrate_the_auto_budget_and_key_its_cache(
     """--tune-prompts FILE: the tuner calibrates on the file's prompts (JSON strings or
     {"prompt": ...} lines), and its cache entry is apart from the built-in prompts' one; a bad
     file is a one-line error naming the file and line, before any tuning."""
-    import dart_client.decoding.autotune as autotune
-
-    monkeypatch.setenv("DART_CACHE", str(tmp_path / "cache"))
-    seen: list[Any] = []
-    real = autotune.autotune
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("prompts"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(autotune, "autotune", recorded)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"w5 w17 w200"\n\n{"prompt": "w9 w31", "source": "log"}\n')
     argv = ["generate", "--base", str(tiny_dir), "--dtype", "fp32", "--head", "random",
             "--ngram", str(tiny_ngram_path), "--raw", "--max-new-tokens", "4",
             "w5 w17"]  # fmt: skip
     assert main([*argv, "--tune-prompts", str(prompts)]) == 0
-    assert seen == [["w5 w17 w200", "w9 w31"]], seen
+    assert [t.get("prompts") for t in tunings] == [["w5 w17 w200", "w9 w31"]], tunings
     assert "tuned in" in capsys.readouterr().err
     assert main(argv) == 0  # built-in prompts: another cache entry, tuned anew
-    assert seen[1] is None and len(seen) == 2
+    assert len(tunings) == 2 and tunings[1].get("prompts") is None
     assert len(list((tmp_path / "cache" / "tuning").glob("*.json"))) == 2
     capsys.readouterr()
     for text, fragment in [
@@ -354,7 +350,7 @@ def test_tune_prompts_calibrate_the_auto_budget_and_key_its_cache(
         _one_line_error(capsys.readouterr().err, fragment)
     assert main([*argv, "--tune-prompts", str(tmp_path / "absent.jsonl")]) == 1
     _one_line_error(capsys.readouterr().err, "absent.jsonl: cannot read")
-    assert len(seen) == 2
+    assert len(tunings) == 2
 
 
 def test_ngram_open_options_reach_the_model(
