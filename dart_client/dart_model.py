@@ -297,11 +297,16 @@ class DartModel:
         """The node budget a call with ``tree_budget=call`` uses: the call's, else the
         model's, else the pruner configuration's ``max_nodes`` (``"auto"``: :meth:`tune`,
         for ``batch`` sequences decoded together)."""
-        call = parse_tree_budget(call)
-        model = self.tree_budget
-        if call == "auto" or (call is None and model == "auto"):
+        if self._auto_budget(call):
             return self.tune(batch=batch)
-        return resolve_tree_budget(call, model, pruner_max_nodes(self.pruner))
+        return resolve_tree_budget(
+            parse_tree_budget(call), self.tree_budget, pruner_max_nodes(self.pruner)
+        )
+
+    def _auto_budget(self, call: int | str | None) -> bool:
+        """Whether a call with ``tree_budget=call`` takes the tuned budget."""
+        call = parse_tree_budget(call)
+        return call == "auto" or (call is None and self.tree_budget == "auto")
 
     def generate(
         self,
@@ -355,19 +360,9 @@ class DartModel:
         the budget of the smallest tuned batch size that holds them (a lone sequence's once
         :meth:`tune` has measured it). For requests that come and go, use
         :meth:`batch_generator`."""
-        rows = max(1, len(prompts) if max_batch is None else min(max_batch, len(prompts)))
-        config = config_from(config, overrides)
-        resolved = self._resolved(config, mode, rows)
-        if (
-            rows > 1
-            and mode == "dart"
-            and self.eagle3 is None
-            and self.head is not None
-            and self.tree_builder is not None
-            and (self.tree_budget if config.tree_budget is None else config.tree_budget) == "auto"
-        ):
-            resolved = resolved.replace(tree_budget="auto")  # tuned above; sized per step
-        return generate_batch(self, prompts, resolved, mode=mode, max_batch=max_batch)
+        rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+        config = self._resolved(config_from(config, overrides), mode, max(1, rows))
+        return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
 
     def batch_generator(
         self,
@@ -391,7 +386,9 @@ class DartModel:
         self, config: GenerationConfig, mode: str = "dart", batch: int = 1
     ) -> GenerationConfig:
         """``config`` with its tree budget resolved for ``mode`` (as :meth:`generate` does;
-        ``"auto"`` tuned for ``batch`` sequences decoded together)."""
+        ``"auto"`` tuned for ``batch`` sequences decoded together). For a batch (``batch`` >
+        1) an ``auto`` DART budget stays ``"auto"`` once tuned: the batch sizes each step's
+        trees for the rows live then."""
         return self._resolved(config, mode, batch)
 
     def _resolved(self, config: GenerationConfig, mode: str, batch: int = 1) -> GenerationConfig:
@@ -403,6 +400,8 @@ class DartModel:
             return config.replace(tree_budget=self.eagle3_tree.budget if budget is None else budget)
         if mode == "dart" and self.head is not None and self.tree_builder is not None:
             budget = self.resolved_tree_budget(config.tree_budget, batch)
+            if batch > 1 and self._auto_budget(config.tree_budget):
+                return config.replace(tree_budget="auto")  # tuned above; sized per step
             return config.replace(tree_budget=budget)
         return config.replace(tree_budget=None)  # no tree: nothing to resolve
 

@@ -94,7 +94,7 @@ class Engine:
         """The request's :class:`GenerationConfig` (tree budget resolved for ``batch`` rows
         decoded together; a batch's ``auto`` budget stays ``"auto"``: the batch sizes it to
         the rows live at each step)."""
-        from dart_client.decoding.config import GenerationConfig, parse_tree_budget
+        from dart_client.decoding.config import GenerationConfig
 
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
@@ -108,17 +108,7 @@ class Engine:
             tree_budget=sampling.tree_budget,
             static=self.static,
         )
-        mode = self.mode(sampling)
-        budget = sampling.tree_budget
-        if (
-            batch > 1
-            and mode == "dart"
-            and budget is None
-            and parse_tree_budget(self.model.tree_budget) == "auto"
-            and getattr(self.model, "eagle3", None) is None
-        ):
-            return config.replace(tree_budget="auto")
-        return self.model.resolve_config(config, mode, batch)
+        return self.model.resolve_config(config, self.mode(sampling), batch)
 
     def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
         """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
