@@ -483,16 +483,19 @@ def test_static_dart_batches_with_sampling_rows_decode_as_the_dynamic_ones(
 
 
 class RecordingTruths(Truths):
-    """:class:`Truths` that keeps every row's draft rows, per request, in step order."""
+    """:class:`Truths` that keeps every batched call's draft rows and budgets, in step
+    order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seen: list[list[DraftRows]] = []
+        self.budgets: list[list[int]] = []
 
     def build_batch(
         self, contexts: Any, rows: Any, budgets: Any, lookup_paths: Any = None
     ) -> list[Tree]:
         self.seen.append(list(rows))
+        self.budgets.append([int(b) for b in budgets])
         return super().build_batch(contexts, rows, budgets, lookup_paths)
 
 
@@ -573,20 +576,6 @@ def test_the_static_switch_takes_its_command_line_words(target: Any, head: DartH
         assert (batch.verifier is not None) is expected
 
 
-class BudgetsSeen(Truths):
-    """:class:`Truths` that records the budgets of every batched call."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.seen: list[list[int]] = []
-
-    def build_batch(
-        self, contexts: Any, rows: Any, budgets: Any, lookup_paths: Any = None
-    ) -> list[Tree]:
-        self.seen.append([int(b) for b in budgets])
-        return super().build_batch(contexts, rows, budgets, lookup_paths)
-
-
 def tuned(budget: int, batch: int = 1) -> Any:
     """A tuning result choosing ``budget`` (only its choice is read here)."""
     from dart_client.decoding.autotune import TreeBudgetTuning
@@ -606,7 +595,7 @@ def test_an_auto_budget_follows_the_rows_live_at_each_step(
     prompts = random_prompts(4, seed=51)
     news = [3, 8, 14, 30]
     truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
-    builder = BudgetsSeen(truths, seed=5)
+    builder = RecordingTruths(truths, seed=5)
     dm.tree_builder = builder
     dm.tree_tuning = tuned(9)
     dm.batch_tree_tunings = {2: tuned(5, 2), 4: tuned(2, 4)}
@@ -619,17 +608,17 @@ def test_an_auto_budget_follows_the_rows_live_at_each_step(
     results = drain(batch)
     for i, request in enumerate(ids):
         assert results[request].tokens == truths[i][len(prompts[i]) :]
-    assert builder.seen and all(max(b) <= cap[len(b)] for b in builder.seen), builder.seen
+    assert builder.budgets and all(max(b) <= cap[len(b)] for b in builder.budgets), builder.budgets
     for rows in (1, 2, 4):  # each row count reached its cap (room was ample at some step)
-        assert any(len(b) == rows and max(b) == cap[rows] for b in builder.seen), builder.seen
+        assert any(len(b) == rows and max(b) == cap[rows] for b in builder.budgets), builder.budgets
 
-    builder.seen.clear()
+    builder.budgets.clear()
     batch = dm.batch_generator(max_batch=4, max_length=64, static=static)
     auto = batch.add(GenerationConfig(max_new_tokens=30, tree_budget="auto"), input_ids=prompts[3])
     fixed = batch.add(GenerationConfig(max_new_tokens=30, tree_budget=12), input_ids=prompts[3])
     results = drain(batch)
     assert results[auto].tokens == results[fixed].tokens == truths[3][len(prompts[3]) :]
-    assert sorted(builder.seen[0]) == [cap[2], 12], builder.seen
+    assert sorted(builder.budgets[0]) == [cap[2], 12], builder.budgets
 
 
 def test_auto_budgets_come_from_the_tunings_held() -> None:
@@ -672,17 +661,17 @@ def test_generate_batch_sizes_the_tail_from_the_tunings_held(target: Any, head: 
     truths = [p + alone(dm, p, "ar", **limits) for p in prompts]
     want = [t[len(p) :] for t, p in zip(truths, prompts, strict=True)]
     assert [len(w) for w in want] == [56, 30, 14]
-    builder = BudgetsSeen(truths, seed=6)
+    builder = RecordingTruths(truths, seed=6)
     dm.tree_builder = builder
     dm.tree_tuning = tuned(9)
     dm.batch_tree_tunings = {3: tuned(2, 3)}
     outs = dm.generate_batch(prompts, tree_budget="auto", **limits)
     assert [o.tokens for o in outs] == want
-    seen = list(builder.seen)
+    seen = list(builder.budgets)
     assert all(max(b) <= 2 for b in seen if len(b) > 1), seen
     assert any(len(b) == 1 and max(b) == 9 for b in seen), seen
-    builder.seen.clear()
+    builder.budgets.clear()
     outs = dm.generate_batch(prompts, tree_budget=5, **limits)
     assert [o.tokens for o in outs] == want
-    assert all(max(b) <= 5 for b in builder.seen), builder.seen
-    assert any(len(b) == 1 and max(b) == 5 for b in builder.seen), builder.seen
+    assert all(max(b) <= 5 for b in builder.budgets), builder.budgets
+    assert any(len(b) == 1 and max(b) == 5 for b in builder.budgets), builder.budgets
