@@ -48,6 +48,7 @@ from dart_client.decoding.loop import (
     StreamEvent,
     _Run,
     new_run,
+    node_rows,
 )
 from dart_client.decoding.prune import build_trees, pruner_max_nodes
 from dart_client.decoding.static import (
@@ -283,7 +284,7 @@ class BatchGenerator:
             prompt = run.prompt
             with self._prefilled(prompt) as (last, taps, single, static):
                 first = run._pick(last)
-                event = run._emit([first], 1, 0, {})
+                event = run._emit([first], 1, 0, {}, last.unsqueeze(0))
                 if run.finish is not None:
                     run.timings["prefill"] += run._clock() - start
                     self.finished[request] = run.result(start)
@@ -420,7 +421,9 @@ class BatchGenerator:
             trees = [Tree.root_only(row.run.generated[-1]) for row in rows]
         frontier = self.cache.length
         row_taps: list[torch.Tensor] | None = None
-        if self.static and all(row.run.params.greedy for row in rows):
+        # The greedy program accepts on the device and returns no logits: a row reporting
+        # log probabilities takes the forward (as sampling rows do).
+        if self.static and all(row.run.params.greedy and row.run.logprobs is None for row in rows):
             # One copy in, one program (forward, acceptance, compaction), one copy out.
             verifier = self._verifier()
             loaded = verifier.load(trees)
@@ -465,7 +468,8 @@ class BatchGenerator:
                     row_taps.append(taps[b].index_select(0, index))
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accepted, strict=True)):
             new = acc.new_tokens
-            events.append((row.request, row.run._emit(new, len(new), len(tree), stage)))
+            scores = None if row.run.logprobs is None else node_rows(logits[b], acc)
+            events.append((row.request, row.run._emit(new, len(new), len(tree), stage, scores)))
             if row_taps is not None and self.head is not None:
                 row.taps, row.next_ids, row.rows = row_taps[b], new, None
         lap("emit")

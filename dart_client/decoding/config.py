@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dart_client.decoding.logprobs import check_logprobs
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.decoding.sampling import SamplingParams
 from dart_client.errors import InvalidArgumentError, InvalidTypeError
@@ -54,7 +55,10 @@ class GenerationConfig:
       :class:`~dart_client.decoding.lookup.PromptLookupConfig` for this call;
     - ``static``: verify through fixed-shape buffers with device-side greedy acceptance
       and, on cuda, CUDA graphs (:mod:`dart_client.decoding.static`); ``"auto"``: on cuda
-      only. The outputs are the same either way (up to floating-point rounding).
+      only. The outputs are the same either way (up to floating-point rounding);
+    - ``logprobs``: None, or report each new token's log probability under the target's raw
+      distribution with that many likeliest alternatives (0..20;
+      :mod:`dart_client.decoding.logprobs`): ``GenerationResult.logprobs``.
     """
 
     max_new_tokens: int = 512
@@ -67,6 +71,7 @@ class GenerationConfig:
     tree_budget: int | str | None = None
     prompt_lookup: int | PromptLookupConfig | None = _MODEL_DEFAULT
     static: bool | str = "auto"
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -79,6 +84,7 @@ class GenerationConfig:
         if self.prompt_lookup is not None:
             parse_prompt_lookup(self.prompt_lookup)
         object.__setattr__(self, "static", parse_static(self.static))
+        object.__setattr__(self, "logprobs", check_logprobs(self.logprobs))
 
     @property
     def sampling(self) -> SamplingParams:

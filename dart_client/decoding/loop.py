@@ -29,9 +29,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dart_client.decoding.accept import accept_greedy, accept_sampling, greedy_token
+from dart_client.decoding.accept import (
+    Acceptance,
+    accept_greedy,
+    accept_sampling,
+    greedy_token,
+)
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
+from dart_client.decoding.logprobs import TokenLogprob, token_logprobs
 from dart_client.decoding.lookup import PromptLookupConfig, parse_prompt_lookup
 from dart_client.decoding.prune import TreeBuilder, build_tree
 from dart_client.decoding.sampling import SamplingParams, make_generator, sample, target_probs
@@ -140,6 +146,8 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     mode: str  # "dart" | "ar"
     tree_sizes: list[int] = field(default_factory=list)
+    #: With ``GenerationConfig.logprobs`` set: one per token of ``tokens``.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def steps(self) -> int:
@@ -166,6 +174,8 @@ class StreamEvent:
     accept_length: int
     tree_size: int
     timings: dict[str, float]
+    #: With ``GenerationConfig.logprobs`` set: one per token of ``tokens``.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationStream:
@@ -357,6 +367,7 @@ def new_run(
         lookup if mode == "dart" else None,
         prefix_cache,
         static,
+        config.logprobs,
     )
 
 
@@ -378,6 +389,7 @@ class _Run:
         lookup: PromptLookupConfig | None,
         prefix_cache: PrefixCache | None = None,
         static: bool = False,
+        logprobs: int | None = None,
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -408,6 +420,9 @@ class _Run:
         if self.lookup_index is not None:
             self.lookup_index.extend(ids)
         self.final_text: tuple[int, str] | None = None  # (tokens decoded, text) of _text()
+        # Alternatives per token when log probabilities are reported, and theirs so far.
+        self.logprobs_top = logprobs
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
 
     def _clock(self) -> float:
         if self.sync:
@@ -499,13 +514,15 @@ class _Run:
         first = self._pick(last)
         t = self._clock()
         step0 = {"prefill": t - start}
-        event = self._emit([first], 1, 0, step0)
+        event = self._emit([first], 1, 0, step0, last.unsqueeze(0))
         self._lap(t, "emit", step0)
         for stage, seconds in step0.items():
             self.timings[stage] += seconds
         yield event
 
-        static_greedy = static is not None and self.params.greedy
+        # The static greedy program accepts on the device and returns no logits: log
+        # probabilities take the static path's forward (as sampling does).
+        static_greedy = static is not None and self.params.greedy and self.logprobs is None
         head_cache = None
         # What the next draft reads: the last forward's taps, the accepted nodes among them
         # and the accepted nodes' tokens.
@@ -603,7 +620,11 @@ class _Run:
                     drafted_in_program = True
                     t = self._lap(t, "draft", step)
             new = acc.new_tokens
-            event = self._emit(new, len(new), len(tree), step)
+            rows = None
+            if self.logprobs is not None:
+                assert not static_greedy
+                rows = node_rows(logits, acc)
+            event = self._emit(new, len(new), len(tree), step, rows)
             self._lap(t, "emit", step)
             for stage, seconds in step.items():
                 self.timings[stage] += seconds
@@ -631,6 +652,7 @@ class _Run:
             finish_reason=self.finish or "length",
             mode=self.mode,
             tree_sizes=list(self.tree_sizes),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
     def tree_budget_now(self) -> int:
@@ -681,9 +703,16 @@ class _Run:
         return logits[0], None
 
     def _emit(
-        self, new: list[int], accept_length: int, tree_size: int, step: dict[str, float]
+        self,
+        new: list[int],
+        accept_length: int,
+        tree_size: int,
+        step: dict[str, float],
+        logits: torch.Tensor | None = None,
     ) -> StreamEvent:
-        """Append a step's tokens, apply the length / EOS / stop limits, make the text delta."""
+        """Append a step's tokens, apply the length / EOS / stop limits, make the text delta;
+        ``logits``: the target's rows that produced ``new`` (one each), needed when log
+        probabilities are reported."""
         self.accept_lengths.append(accept_length)
         self.tree_sizes.append(tree_size)
         before = len(self.generated)
@@ -697,6 +726,10 @@ class _Run:
         elif before + len(new) >= limit:
             self.finish = "length"
         self.generated.extend(new)
+        if self.logprobs is not None:
+            assert logits is not None, "log probabilities need the logits of the new tokens"
+            assert self.logprobs_top is not None
+            self.logprobs.extend(token_logprobs(logits, new, self.logprobs_top))
         delta = ""
         if self.detok is not None:
             text = self.detok.update(self.generated)
@@ -712,6 +745,8 @@ class _Run:
                     cut = self._stop_cut(before if found else 0)
                     if cut is not None:
                         self.generated = self.generated[:cut]
+                        if self.logprobs is not None:
+                            del self.logprobs[cut:]
                         self.finish = "stop"
             text = _hold_back(text, self.stops) if self.finish is None else self._text()
             # A decoding that rewrote already-streamed text (rare byte merges) is not re-sent.
@@ -724,6 +759,7 @@ class _Run:
             accept_length=accept_length,
             tree_size=tree_size,
             timings=step,
+            logprobs=None if self.logprobs is None else self.logprobs[before:],
         )
 
     def _stop_cut(self, before: int) -> int | None:
@@ -752,6 +788,13 @@ class _Run:
                 text = text[: min(cuts)]
         self.final_text = (len(self.generated), text)
         return text
+
+
+def node_rows(logits: torch.Tensor, acc: Acceptance) -> torch.Tensor:
+    """The rows of a verified tree's ``logits`` that produced an acceptance's new tokens:
+    the accepted nodes', root first (the bonus token's is the last)."""
+    index = torch.tensor(acc.nodes, dtype=torch.long, device=logits.device)
+    return logits.index_select(0, index)
 
 
 class IncrementalText:
