@@ -309,6 +309,72 @@ def test_completions_stop_strings_and_max_tokens(server: Server, reference: Any)
     assert ref.text.startswith(short.choices[0].text)
 
 
+@pytest.mark.parametrize("kind", ["main", "batched"])
+def test_logprobs_are_the_targets_own_streamed_and_not(
+    kind: str, request: pytest.FixtureRequest, reference: Any
+) -> None:
+    """Chat (``logprobs``/``top_logprobs``) and completions (``logprobs: k``), streamed and
+    not, one request at a time and batched: each token's log probability and alternatives
+    are the target's own (the in-process autoregressive reference's, within fp32's rounding
+    of a tree forward), the tokens spell the text, and a greedy token is its own first
+    alternative."""
+    server = request.getfixturevalue("server" if kind == "main" else "batched")
+    client = server.client()
+    tok = reference.tokenizer
+    common = {"model": "dart-smollm2-135m-instruct", "max_tokens": 16, "temperature": 0}
+
+    def check(ref: Any, tokens: list[str], logprobs: list[float], tops: list[Any]) -> None:
+        assert len(tokens) == len(ref.tokens)
+        assert "".join(tokens) == ref.text
+        for i, want in enumerate(ref.logprobs):
+            assert tokens[i] == tok.decode([want.token]), i
+            assert logprobs[i] == pytest.approx(want.logprob, abs=2e-3), i
+            assert [t for t, _ in tops[i]] == [tok.decode([t]) for t, _ in want.top], i
+            assert [lp for _, lp in tops[i]] == pytest.approx([lp for _, lp in want.top], abs=2e-3)
+            assert tops[i][0] == (tokens[i], logprobs[i])
+
+    messages = chat_messages(QUESTIONS[4])
+    ref = reference.generate(messages=messages, max_new_tokens=16, logprobs=3, mode="ar")
+    resp = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=3, **common
+    )
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].message.content == ref.text
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    pairs = [[(t.token, t.logprob) for t in c.top_logprobs] for c in content]
+    check(ref, [c.token for c in content], [c.logprob for c in content], pairs)
+    chunks = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=3, stream=True, **common
+    )
+    streamed = [
+        c
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(messages=messages, **common)
+    assert plain.choices[0].logprobs is None
+
+    prompt = "The three most common programming languages are"
+    ref = reference.generate(prompt=prompt, max_new_tokens=16, logprobs=3, mode="ar")
+    for stream in (False, True):
+        out = client.completions.create(prompt=prompt, logprobs=3, stream=stream, **common)
+        parts = list(out) if stream else [out]
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for part in parts:
+            lp = part.choices[0].logprobs
+            if lp is None:
+                continue
+            tokens += lp.tokens
+            logprobs += lp.token_logprobs
+            tops += [sorted(d.items(), key=lambda kv: -kv[1]) for d in lp.top_logprobs]
+            offsets += lp.text_offset
+        assert "".join(p.choices[0].text for p in parts) == ref.text
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+        check(ref, tokens, logprobs, tops)
+
+
 def test_raw_stream_ends_with_done(server: Server) -> None:
     body = {
         "model": "dart-smollm2-135m-instruct",
@@ -343,7 +409,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
         ({**good, "temperature": -0.5}, 400, "temperature"),
         ({**good, "messages": chat_messages(long_prompt)}, 400, "messages"),
         ({**good, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
-        ({**good, "logprobs": True}, 400, "logprobs"),
+        ({**good, "top_logprobs": 3}, 400, "top_logprobs"),  # needs logprobs: true
+        ({**good, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({**good, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ]
     for body, status, param in cases:

@@ -128,7 +128,7 @@ def create_app(
     ) -> Response:
         sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
         job = scheduler.submit(ids, sampling)
-        reply = Reply(chat, engine.model_id, len(ids))
+        reply = Reply(chat, engine.model_id, len(ids), engine.token_piece)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -188,8 +188,8 @@ def create_app(
                     if include_usage:
                         yield sse(reply.usage_chunk(message))
                     break
-                if message.text:
-                    yield sse(reply.chunk(message.text))
+                if message.text or message.logprobs:
+                    yield sse(reply.chunk(message.text, logprobs=message.logprobs))
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()

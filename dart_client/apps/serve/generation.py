@@ -29,6 +29,8 @@ class Sampling:
     seed: int | None = None
     tree_budget: int | None = None
     speculative: bool = True
+    #: None, or report each token's log probability with that many alternatives.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Step:
     tokens: int
     accept_length: int
     timings: dict[str, float]
+    #: With ``Sampling.logprobs``: a :class:`~dart_client.decoding.logprobs.TokenLogprob`
+    #: per token of the step.
+    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Outcome:
     mode: str  # "dart" | "ar"
     tau: float
     steps: int
+    #: With ``Sampling.logprobs``: one per completion token.
+    logprobs: list[Any] | None = None
 
 
 class Engine:
@@ -71,6 +78,7 @@ class Engine:
         limit = model.target.max_positions
         self.max_model_len = min(max_model_len, limit) if limit else max_model_len
         self.speculative = model.head is not None and model.tree_builder is not None
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -85,6 +93,17 @@ class Engine:
     def check_ids(self, ids: list[int]) -> list[int]:
         """Token ids given by the client, checked against the vocabulary."""
         return self.model.encode_input(input_ids=ids)
+
+    def token_piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes as OpenAI's ``logprobs`` show them: the token's own bytes
+        (byte-level BPE and SentencePiece byte tokens map back exactly; a token that is part
+        of a character has those bytes, its text the replacement character)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            raw = token_bytes(self.model.tokenizer, token)
+            piece = (raw.decode("utf-8", errors="replace"), list(raw))
+            self._pieces[token] = piece
+        return piece
 
     def mode(self, sampling: Sampling) -> str:
         """How a request is decoded: ``"dart"``, or ``"ar"`` (asked for, or no head)."""
@@ -107,6 +126,7 @@ class Engine:
             seed=sampling.seed,
             tree_budget=sampling.tree_budget,
             static=self.static,
+            logprobs=sampling.logprobs,
         )
         return self.model.resolve_config(config, self.mode(sampling), batch)
 
@@ -131,7 +151,7 @@ class Engine:
 
 def step_of(event: Any) -> Step:
     """A generation's stream event as the server's :class:`Step`."""
-    return Step(event.text, len(event.tokens), event.accept_length, event.timings)
+    return Step(event.text, len(event.tokens), event.accept_length, event.timings, event.logprobs)
 
 
 def outcome_of(result: Any) -> Outcome:
@@ -143,7 +163,45 @@ def outcome_of(result: Any) -> Outcome:
         mode=result.mode,
         tau=result.tau,
         steps=result.steps,
+        logprobs=result.logprobs,
     )
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes token ``token`` stands for: a byte-level BPE token's (GPT-2's byte-to-
+    character table reversed), a SentencePiece byte token's (``<0xAB>``), else the UTF-8 of its
+    decoding."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        table = _byte_decoder()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if "\u2581" in piece:  # SentencePiece's word boundary
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return str(tokenizer.decode([token])).encode("utf-8")
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    if not _BYTE_DECODER:
+        printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+        shifted = 0
+        for b in range(256):
+            if b in printable:
+                _BYTE_DECODER[chr(b)] = b
+            else:
+                _BYTE_DECODER[chr(256 + shifted)] = b
+                shifted += 1
+    return _BYTE_DECODER
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

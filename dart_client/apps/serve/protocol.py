@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from dart_client.apps.serve.generation import Outcome, Sampling
 from dart_client.apps.serve.scheduler import JobError
+from dart_client.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 #: Request fields OpenAI defines that DART does not implement: refused when set to anything
 #: but their neutral value, never silently ignored.
 UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -73,10 +73,25 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+def logprobs_of(req: _Common) -> int | None:
+    """Alternatives per token the request asks for, None when it asks no log probabilities
+    (chat: ``logprobs: true`` with ``top_logprobs`` alternatives; completions: ``logprobs``
+    alternatives)."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    assert isinstance(req, CompletionRequest)
+    return req.logprobs
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> JobError:
@@ -145,6 +160,7 @@ def sampling_of(
         seed=req.seed,
         tree_budget=req.tree_budget,
         speculative=req.speculative and speculative,
+        logprobs=logprobs_of(req),
     )
 
 
@@ -159,13 +175,30 @@ def error_body(err: JobError) -> dict[str, Any]:
     }
 
 
-class Reply:
-    """The response (or the stream chunks) of one request."""
+#: What a log probability of minus infinity is sent as (JSON has no infinities; OpenAI's
+#: value).
+LOGPROB_FLOOR = -9999.0
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+
+class Reply:
+    """The response (or the stream chunks) of one request; ``piece``: a token's text and
+    bytes (:meth:`~dart_client.apps.serve.generation.Engine.token_piece`), for log
+    probabilities."""
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        prompt_tokens: int,
+        piece: Callable[[int], tuple[str, list[int]]] | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
+        self.piece = piece
+        # Characters of completion text the log probabilities sent so far cover
+        # (completions' ``text_offset``).
+        self.text_offset = 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -185,13 +218,50 @@ class Reply:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object of some tokens: chat's ``content`` list, or the
+        completions API's parallel lists (``text_offset`` counting on from the tokens sent
+        before)."""
+        if entries is None:
+            return None
+        assert self.piece is not None, "log probabilities need the tokenizer's pieces"
+        piece = self.piece
+
+        def value(logprob: float) -> float:
+            return max(logprob, LOGPROB_FLOOR)
+
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = piece(e.token)
+                top = []
+                for t, lp in e.top:
+                    t_text, t_raw = piece(t)
+                    top.append({"token": t_text, "logprob": value(lp), "bytes": t_raw})
+                content.append(
+                    {"token": text, "logprob": value(e.logprob), "bytes": raw, "top_logprobs": top}
+                )
+            return {"content": content}
+        tokens, offsets = [], []
+        for e in entries:
+            text = piece(e.token)[0]
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [value(e.logprob) for e in entries],
+            "top_logprobs": [{piece(t)[0]: value(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
     def full(self, outcome: Outcome) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": outcome.text}
         else:
             choice["text"] = outcome.text
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs(outcome.logprobs)
         return {
             **self._head(self.object),
             "choices": [choice],
@@ -200,7 +270,12 @@ class Reply:
         }
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, *, first: bool = False
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        *,
+        first: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -210,7 +285,7 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish_reason
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice]}
