@@ -40,6 +40,9 @@ from dart_client.errors import (
 from dart_client.loading import (
     check_ngram_open,
     gguf_unpacked,
+    is_eagle3_spec,
+    load_drafter,
+    load_eagle3_head,
     load_head,
     load_ngram,
     load_pruner,
@@ -206,12 +209,15 @@ class DartModel:
         model, tokenizer = load_target(
             base_model_name_or_path, dtype=torch_dtype, device_map=device_map, **hf_kwargs
         )
-        head = load_head(
+        # A DART head, or an EAGLE-3 draft model (its config says which).
+        drafter = load_drafter(
             dart_model_name_or_path,
             model.config,
             embedded_target=base_model_name_or_path is None,
             double_final_norm=double_final_norm,
         )
+        eagle3 = drafter if isinstance(drafter, Eagle3Head) else None
+        head = None if eagle3 is not None else drafter
         pruner = None
         ngram = None
         if ngram_server is not None:
@@ -231,8 +237,9 @@ class DartModel:
             tree_budget=tree_budget,
             prompt_lookup=prompt_lookup,
             check_tokenizer=check_tokenizer,
+            eagle3=eagle3,
         )
-        if dart.tree_budget == "auto" and dart.head is not None and dart.tree_builder is not None:
+        if dart.tree_budget == "auto" and dart.new_drafter() is not None:
             dart.tune()
         return dart
 
@@ -476,10 +483,16 @@ def build_model(
     if template not in ("auto", "none"):
         TEMPLATE_REGISTRY[template]  # an unknown name fails before the load
     check_ngram_open(ngram_open, daemon=ngram_server)
+    eagle3 = not ar and is_eagle3_spec(head)
     if not ar:
         if head is None:
             raise DartError("pass --head DIR (or --head random for an untrained head), or use --ar")
-        if not ngram and not ngram_server:
+        if eagle3 and tune_batch > 1:
+            raise DartError(
+                f"{head} is an EAGLE-3 head: batched decoding drafts with a DART head, so an "
+                "EAGLE-3 head decodes one request at a time (--max-batch 1)"
+            )
+        if not eagle3 and not ngram and not ngram_server:
             raise DartError("pass --ngram PATH (or --ngram embedded), --ngram-server, or use --ar")
     target, tokenizer = load_target(
         base,
@@ -492,10 +505,27 @@ def build_model(
         chosen = None
     elif template != "none":
         chosen = TEMPLATE_REGISTRY[template]
-    if ar:
-        model = DartModel(target_model, tokenizer=tokenizer, template=chosen)
+    if ar or eagle3:
+        model = DartModel(
+            target_model,
+            tokenizer=tokenizer,
+            template=chosen,
+            eagle3=load_eagle3_head(head, target_model.config, notes=notes) if eagle3 else None,
+            tree_budget=tree_budget if eagle3 else None,
+        )
         if template == "none":
             model.template = None
+        if eagle3:
+            if ngram or ngram_server:
+                note(notes, "n-gram: not used (an EAGLE-3 head grows its tree alone)")
+            if parse_tree_budget(tree_budget) == "auto":
+                model.tune()
+                t = model.eagle3_tree
+                note(
+                    notes,
+                    f"EAGLE-3 tree tuned on this machine: top-k {t.top_k}, depth {t.depth}, "
+                    f"{t.total_tokens} tokens (--tree-budget N skips the tuning)",
+                )
         return model
     pruner = None
     ngram_model = None

@@ -246,6 +246,41 @@ def load_head(
     )
 
 
+def load_drafter(
+    spec: str | Path | None,
+    target_config: Any = None,
+    *,
+    embedded_target: bool = False,
+    double_final_norm: bool | None = None,
+    notes: list[str] | None = None,
+) -> Any:
+    """The draft model at ``spec``: an :class:`~dart_client.models.eagle3.Eagle3Head` when its
+    ``config.json`` names an EAGLE-3 architecture (as published EAGLE-3 checkpoints do), else a
+    DART head as :func:`load_head` loads it (``"auto"``, ``"random"`` and None included)."""
+    if is_eagle3_spec(spec):
+        if double_final_norm is not None:
+            raise InvalidArgumentError(
+                f"{spec} is an EAGLE-3 head: double_final_norm is a DART head's setting"
+            )
+        return load_eagle3_head(spec, target_config, embedded_target=embedded_target, notes=notes)
+    return load_head(
+        spec,
+        target_config,
+        embedded_target=embedded_target,
+        double_final_norm=double_final_norm,
+        notes=notes,
+    )
+
+
+def is_eagle3_spec(spec: str | Path | None) -> bool:
+    """Whether a ``--head`` / ``from_pretrained`` head argument is an EAGLE-3 checkpoint."""
+    if spec is None or str(spec) in ("auto", "random"):
+        return False
+    from dart_client.models.head import is_eagle3_checkpoint
+
+    return is_eagle3_checkpoint(spec)
+
+
 def load_eagle3_head(
     spec: str | Path | None,
     target_config: Any = None,

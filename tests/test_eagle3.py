@@ -505,3 +505,74 @@ def test_the_tuned_tree_replays_generation_and_auto_decodes_with_it(distilled: A
         got = auto.generate(input_ids=ids, max_new_tokens=24)
         assert got.tokens == auto.generate(input_ids=ids, max_new_tokens=24, mode="ar").tokens
         assert max(got.tree_sizes) <= auto.eagle3_tree.total_tokens
+
+
+# -- one --head for both kinds ----------------------------------------------------------------
+
+
+def test_a_checkpoint_loads_as_its_own_kind_and_the_other_is_named(tmp_path: Path) -> None:
+    """``load_drafter`` (``--head``, ``DartModel.from_pretrained``) reads the architecture
+    and loads the right class; each class refuses the other kind by name, not by its keys."""
+    from dart_client.loading import load_drafter
+    from dart_client.models.head import DartHead
+
+    target = make_tiny_target("llama")
+    eagle = write_published(tmp_path / "eagle3", tiny_head(target), {}, "safetensors")
+    # (the weights do not matter here: the kind is decided by config.json alone)
+    dart = tmp_path / "dart"
+    DartHead.random_init(target.config, draft_vocab_size=64).save_pretrained(dart)
+    with pytest.raises(CheckpointError, match="is an EAGLE-3 draft model"):
+        DartHead.from_pretrained(eagle)
+    with pytest.raises(CheckpointError, match="not an EAGLE-3 draft model"):
+        Eagle3Head.from_pretrained(dart)
+    assert type(load_drafter(dart)) is DartHead
+    published = write_published(
+        tmp_path / "eagle3-full", tiny_head(target), published_state(tiny_head(target)), "bin"
+    )
+    assert type(load_drafter(published)) is Eagle3Head
+    with pytest.raises(InvalidArgumentError, match="double_final_norm"):
+        load_drafter(published, double_final_norm=True)
+
+
+@pytest.fixture(scope="module")
+def served_eagle3() -> Any:
+    """The embedded target (fp32) with the shipped EAGLE-3 head, loaded as ``dart serve
+    --head <its directory>`` loads it."""
+    from dart_client.apps.serve.generation import Engine
+    from dart_client.dart_model import build_model
+    from dart_client.embedded import SHIPPED_EAGLE3_DIR
+
+    notes: list[str] = []
+    model = build_model(
+        None, str(SHIPPED_EAGLE3_DIR), "embedded", dtype="fp32", tree_budget=8, notes=notes
+    )
+    return Engine(model, "eagle3", 256), notes
+
+
+def test_the_server_decodes_with_an_eagle3_head(served_eagle3: Any) -> None:
+    """An EAGLE-3 head given as ``--head``: speculative requests draft with it (no n-gram),
+    and greedy output is the target's own."""
+    from dart_client.apps.serve.generation import Outcome, Sampling
+
+    engine, notes = served_eagle3
+    assert engine.model.eagle3 is not None and engine.model.head is None
+    assert engine.speculative
+    assert any("n-gram: not used" in n for n in notes)
+    ids = engine.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
+    outcomes = {}
+    for speculative in (True, False):
+        sampling = Sampling(max_new_tokens=24, speculative=speculative)
+        (outcome,) = [m for m in engine.generate(ids, sampling) if isinstance(m, Outcome)]
+        outcomes[speculative] = outcome
+    assert outcomes[True].mode == "dart" and outcomes[False].mode == "ar"
+    assert outcomes[True].text == outcomes[False].text
+    assert outcomes[True].tau > 1.0  # the EAGLE-3 head's drafts were accepted
+
+
+def test_an_eagle3_head_refuses_batched_serving_by_name() -> None:
+    from dart_client.dart_model import build_model
+    from dart_client.embedded import SHIPPED_EAGLE3_DIR
+    from dart_client.errors import DartError
+
+    with pytest.raises(DartError, match="EAGLE-3 head: batched decoding"):
+        build_model(None, str(SHIPPED_EAGLE3_DIR), None, tune_batch=4)

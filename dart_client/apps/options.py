@@ -235,6 +235,13 @@ def check_model_arguments(args: argparse.Namespace, parser: argparse.ArgumentPar
         )
     if args.head not in ("auto", "random"):
         _check(parser, "--head", "head", args.head)
+        from dart_client.loading import is_eagle3_spec
+
+        try:
+            if is_eagle3_spec(args.head):
+                return  # an EAGLE-3 head drafts without an n-gram
+        except DartError as err:
+            parser.error(f"--head {err}")
     if args.ngram is None and not args.ngram_server:
         if args.base is not None:
             parser.error(

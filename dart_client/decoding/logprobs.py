@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dart_client.errors import InvalidArgumentError, InvalidTypeError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Most alternatives a token may report (OpenAI's ``top_logprobs`` limit).
 MAX_TOP_LOGPROBS = 20
@@ -36,6 +38,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
     """The :class:`TokenLogprob` of ``tokens[i]`` under ``logits[i]`` (rows of raw target
     logits, one per token), each with its ``top`` alternatives (0: none). Computed in
     float32 at least (bf16/fp16 logits upcast first), one transfer to the host."""
+    import torch  # here: the server's protocol layer imports this module without torch
+
     if len(tokens) == 0:
         return []
     rows = logits[: len(tokens)]

@@ -87,6 +87,8 @@ class Eagle3Head(DartHead):
 
     checkpoint_keys = EAGLE3_KEYS
     weight_files = (WEIGHTS_NAME, BIN_WEIGHTS_NAME)
+    kind = "EAGLE-3 head"
+    eagle3 = True
 
     def __init__(self, config: DartHeadConfig) -> None:
         # EAGLE-3 normalises once before lm_head; its configs carry no such field.

@@ -573,6 +573,10 @@ class DartHead(nn.Module):
     checkpoint_keys: tuple[str, ...] = CHECKPOINT_KEYS
     #: Weight files ``from_pretrained`` reads, the first one present.
     weight_files: tuple[str, ...] = (WEIGHTS_NAME,)
+    #: What this class is called in error messages, and whether it is an EAGLE-3 draft model
+    #: (a checkpoint's ``architectures`` say which one it is: :func:`is_eagle3_checkpoint`).
+    kind = "DART head"
+    eagle3 = False
 
     def __init__(self, config: DartHeadConfig) -> None:
         super().__init__()
@@ -673,6 +677,14 @@ class DartHead(nn.Module):
             raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{config_path}: expected a JSON object")
+        architectures = raw.get("architectures") or []
+        if architectures and names_eagle3(architectures) != cls.eagle3:
+            other = "an EAGLE-3 draft model" if not cls.eagle3 else "not an EAGLE-3 draft model"
+            raise CheckpointError(
+                f"{config_path}: architectures {architectures} is {other}, so it does not load "
+                f"as a {cls.kind} (`dart generate`/`serve` --head and DartModel.from_pretrained "
+                "take either kind and load the right one)"
+            )
         config = DartHeadConfig.from_dict(raw, source=str(config_path))
         if double_final_norm is not None:
             config.double_final_norm = double_final_norm
@@ -940,6 +952,25 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{path}: cannot read safetensors ({err})") from None
+
+
+def names_eagle3(architectures: Any) -> bool:
+    """Whether a checkpoint's ``architectures`` name an EAGLE-3 draft model (published ones
+    say ``LlamaForCausalLMEagle3``; DART heads say ``LlamaForCausalLMDart`` or nothing)."""
+    return isinstance(architectures, list) and any(
+        "eagle3" in str(a).lower() for a in architectures
+    )
+
+
+def is_eagle3_checkpoint(path: str | Path, **hub_kwargs: Any) -> bool:
+    """Whether the draft checkpoint at ``path`` (a directory or hub id) is an EAGLE-3 draft
+    model rather than a DART head, by its ``config.json`` (fetched alone from a hub)."""
+    directory = _resolve_head_dir(path, (CONFIG_NAME,), **hub_kwargs)
+    try:
+        raw = json.loads((directory / CONFIG_NAME).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False  # from_pretrained names what is wrong with it
+    return isinstance(raw, dict) and names_eagle3(raw.get("architectures"))
 
 
 def _resolve_head_dir(path: str | Path, files: tuple[str, ...], **hub_kwargs: Any) -> Path:

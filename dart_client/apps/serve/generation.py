@@ -77,7 +77,8 @@ class Engine:
         self.static = parse_static(static)
         limit = model.target.max_positions
         self.max_model_len = min(max_model_len, limit) if limit else max_model_len
-        self.speculative = model.head is not None and model.tree_builder is not None
+        # A DART head with its pruner, or an EAGLE-3 head.
+        self.speculative = model.new_drafter() is not None
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     @property
@@ -245,7 +246,9 @@ def load_engine(args: argparse.Namespace) -> Engine:
 
         if args.head is None:
             args.head = str(shipped_head())
-        if args.ngram is None and args.ngram_server is None:
+        from dart_client.loading import is_eagle3_spec
+
+        if args.ngram is None and args.ngram_server is None and not is_eagle3_spec(args.head):
             args.ngram = "embedded"
     model = load_model(args)
     name = args.served_model_name
