@@ -375,6 +375,56 @@ def test_logprobs_are_the_targets_own_streamed_and_not(
         check(ref, tokens, logprobs, tops)
 
 
+@pytest.mark.parametrize("kind", ["main", "batched"])
+def test_n_choices_are_generations_of_their_own(
+    kind: str, request: pytest.FixtureRequest, reference: Any
+) -> None:
+    """``n`` choices, streamed and not: each is a generation (greedy: the greedy output; with a
+    seed: choice i is the request with seed + i, decoded one at a time), the chunks carry
+    their choice's index, usage counts every choice's tokens."""
+    server = request.getfixturevalue("server" if kind == "main" else "batched")
+    client = server.client()
+    common = {"model": "dart-smollm2-135m-instruct", "max_tokens": 12}
+    messages = chat_messages(QUESTIONS[1])
+    ref = greedy(reference, 12, messages=messages)
+    resp = client.chat.completions.create(messages=messages, n=3, temperature=0, **common)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == [ref.text] * 3
+    assert resp.usage.completion_tokens == 3 * len(ref.tokens)
+    assert resp.usage.prompt_tokens == ref.prompt_tokens
+
+    sampled = {"temperature": 1.0, "seed": 11, **common}
+    many = client.completions.create(prompt="Once upon a time", n=3, **sampled)
+    texts = [c.text for c in many.choices]
+    assert len(set(texts)) > 1  # three seeds, three samples
+    if kind == "main":  # one at a time, a fixed tree: the same draws as alone
+        for i, text in enumerate(texts):
+            alone = client.completions.create(
+                prompt="Once upon a time", **{**sampled, "seed": 11 + i}
+            )
+            assert alone.choices[0].text == text, i
+    chunks = list(
+        client.completions.create(
+            prompt="Once upon a time",
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampled,
+        )
+    )
+    streamed = ["", "", ""]
+    finished = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert sorted(finished) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    if kind == "main":
+        assert streamed == texts
+
+
 def test_raw_stream_ends_with_done(server: Server) -> None:
     body = {
         "model": "dart-smollm2-135m-instruct",
@@ -405,7 +455,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
         ({**good, "max_tokens": "many"}, 400, "max_tokens"),
         ({**good, "messages": "hello"}, 400, "messages"),
         ({**good, "model": "gpt-4"}, 404, "model"),
-        ({**good, "n": 2}, 400, "n"),
+        ({**good, "n": 0}, 400, "n"),
+        ({**good, "n": 65}, 400, "n"),
         ({**good, "temperature": -0.5}, 400, "temperature"),
         ({**good, "messages": chat_messages(long_prompt)}, 400, "messages"),
         ({**good, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),

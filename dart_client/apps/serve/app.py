@@ -35,6 +35,7 @@ from dart_client.apps.serve.protocol import (
     Reply,
     bad_request,
     check_request,
+    choices_of,
     error_body,
     sampling_of,
 )
@@ -127,72 +128,102 @@ def create_app(
         req: ChatRequest | CompletionRequest, ids: list[int], request: Request, chat: bool
     ) -> Response:
         sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
-        job = scheduler.submit(ids, sampling)
+        if req.n > scheduler.max_queue:
+            raise bad_request(
+                f"n is {req.n}, but this server queues at most {scheduler.max_queue} "
+                "generations (--max-queue)",
+                "n",
+            )
+        # One job per choice, queued together: they decode side by side when batching.
+        jobs = scheduler.submit_all(ids, choices_of(sampling, req.n))
         reply = Reply(chat, engine.model_id, len(ids), engine.token_piece)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(job, reply, usage),
+                stream(jobs, reply, usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
+        merged, pumps = merge(jobs)
+        outcomes: dict[int, Outcome] = {}
         checked = time.monotonic()
         try:
-            while True:
-                message = await next_message(job, request)
-                if message is None:  # the client went away
-                    return Response(status_code=499)
+            while len(outcomes) < len(jobs):
+                try:
+                    index, message = await asyncio.wait_for(merged.get(), POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    index, message = -1, None
                 if isinstance(message, JobError):
                     return error_response(message)
                 if isinstance(message, Outcome):
-                    return JSONResponse(reply.full(message))
-                # Steps keep coming: look at the connection every POLL_SECONDS all the same.
-                if time.monotonic() - checked >= POLL_SECONDS:
+                    outcomes[index] = message
+                # Look at the connection every POLL_SECONDS, steps coming or not.
+                if index < 0 or time.monotonic() - checked >= POLL_SECONDS:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        job.cancel()
                         return Response(status_code=499)
+            return JSONResponse(reply.full([outcomes[i] for i in range(len(jobs))]))
         finally:
-            job.cancel()  # a no-op once the job has ended
+            end(jobs, pumps)  # a no-op for jobs that have ended
 
-    async def next_message(job: Job, request: Request | None) -> Step | Outcome | JobError | None:
-        """The job's next message; a timeout error past its deadline; None when the client
-        of a non-streamed request disconnected."""
-        while True:
-            remaining = job.deadline - time.monotonic()
-            if remaining <= 0:
-                job.cancel()
-                return timeout_error(scheduler.timeout)
-            try:
-                return await asyncio.wait_for(job.messages.get(), min(POLL_SECONDS, remaining))
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    job.cancel()
-                    return None
+    def merge(jobs: list[Job]) -> tuple[asyncio.Queue[tuple[int, Any]], list[asyncio.Task[None]]]:
+        """The messages of a request's jobs as they come, each with its choice's index (a
+        task per job forwards them); a job's last message is its outcome or error."""
+        merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-    async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client disconnects: `finally` then tells
-        # the worker, which drops the job at its next step.
-        try:
-            first = reply.chunk("", first=True) if reply.chat else None
-            if first is not None:
-                yield sse(first)
+        async def pump(index: int, job: Job) -> None:
             while True:
-                message = await next_message(job, None)
-                assert message is not None
+                message = await next_message(job)
+                merged.put_nowait((index, message))
+                if isinstance(message, (Outcome, JobError)):
+                    return
+
+        return merged, [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+
+    def end(jobs: list[Job], pumps: list[asyncio.Task[None]]) -> None:
+        for job in jobs:
+            job.cancel()
+        for task in pumps:
+            task.cancel()
+
+    async def next_message(job: Job) -> Step | Outcome | JobError:
+        """The job's next message; a timeout error past its deadline."""
+        remaining = job.deadline - time.monotonic()
+        if remaining <= 0:
+            job.cancel()
+            return timeout_error(scheduler.timeout)
+        try:
+            return await asyncio.wait_for(job.messages.get(), remaining)
+        except asyncio.TimeoutError:
+            job.cancel()
+            return timeout_error(scheduler.timeout)
+
+    async def stream(jobs: list[Job], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects: `finally` then tells
+        # the worker, which drops the jobs at their next step.
+        merged, pumps = merge(jobs)
+        try:
+            if reply.chat:
+                for index in range(len(jobs)):
+                    yield sse(reply.chunk("", first=True, index=index))
+            outcomes: dict[int, Outcome] = {}
+            while len(outcomes) < len(jobs):
+                index, message = await merged.get()
                 if isinstance(message, JobError):
                     yield sse(error_body(message))
                     break
                 if isinstance(message, Outcome):
-                    yield sse(reply.chunk(None if reply.chat else "", message.finish_reason))
-                    if include_usage:
-                        yield sse(reply.usage_chunk(message))
-                    break
-                if message.text or message.logprobs:
-                    yield sse(reply.chunk(message.text, logprobs=message.logprobs))
+                    outcomes[index] = message
+                    text = None if reply.chat else ""
+                    yield sse(reply.chunk(text, message.finish_reason, index=index))
+                elif message.text or message.logprobs:
+                    yield sse(reply.chunk(message.text, logprobs=message.logprobs, index=index))
+            else:
+                if include_usage:
+                    yield sse(reply.usage_chunk([outcomes[i] for i in range(len(jobs))]))
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()
+            end(jobs, pumps)
 
     return app
 

@@ -7,6 +7,7 @@ name); :func:`sampling_of` turns a request into the engine's :class:`Sampling`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,6 +31,10 @@ UNSUPPORTED = {
     "echo": (None, False),
     "suffix": (None, ""),
 }
+
+
+#: Most choices one request may ask for (``n``); each is a generation of its own.
+MAX_CHOICES = 64
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +69,7 @@ class _Common(BaseModel):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     # DART's own options.
     tree_budget: StrictInt | None = Field(default=None, ge=0)
     speculative: StrictBool = True
@@ -111,8 +116,6 @@ def check_request(req: _Common, served: str) -> None:
         )
         err.param = "model"  # type: ignore[attr-defined]
         raise err
-    if req.n != 1:
-        raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "n")
     extra = req.model_extra or {}
     for name, neutral in UNSUPPORTED.items():
         if name in extra and extra[name] not in neutral:
@@ -175,6 +178,14 @@ def error_body(err: JobError) -> dict[str, Any]:
     }
 
 
+def choices_of(sampling: Sampling, n: int) -> list[Sampling]:
+    """The settings of a request's ``n`` choices: the request's, each with its own seed when
+    it gave one (``seed + i``: reproducible, and different samples)."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(n)]
+
+
 #: What a log probability of minus infinity is sent as (JSON has no infinities; OpenAI's
 #: value).
 LOGPROB_FLOOR = -9999.0
@@ -196,32 +207,39 @@ class Reply:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.piece = piece
-        # Characters of completion text the log probabilities sent so far cover
-        # (completions' ``text_offset``).
-        self.text_offset = 0
+        # Characters of each choice's completion text its log probabilities sent so far
+        # cover (completions' ``text_offset``).
+        self.text_offsets: dict[int, int] = {}
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def usage(self, outcome: Outcome) -> dict[str, int]:
+    def usage(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+        """The prompt once, the completion tokens of every choice."""
+        completion = sum(o.completion_tokens for o in outcomes)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": outcome.completion_tokens,
-            "total_tokens": self.prompt_tokens + outcome.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
         }
 
     @staticmethod
-    def dart(outcome: Outcome) -> dict[str, Any]:
-        """DART's statistics of the request (an extra field, ignored by OpenAI clients)."""
-        return {"mode": outcome.mode, "tau": round(outcome.tau, 4), "steps": outcome.steps}
+    def dart(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        """DART's statistics of the request (an extra field, ignored by OpenAI clients): the
+        target forwards of all its choices and the tokens each gave on average."""
+        steps = sum(o.steps for o in outcomes)
+        tau = sum(o.tau * o.steps for o in outcomes) / steps if steps else 0.0
+        return {"mode": outcomes[0].mode, "tau": round(tau, 4), "steps": steps}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` object of some tokens: chat's ``content`` list, or the
-        completions API's parallel lists (``text_offset`` counting on from the tokens sent
-        before)."""
+    def logprobs(
+        self, entries: Sequence[TokenLogprob] | None, index: int = 0
+    ) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object of some tokens of choice ``index``: chat's ``content``
+        list, or the completions API's parallel lists (``text_offset`` counting on from the
+        choice's tokens sent before)."""
         if entries is None:
             return None
         assert self.piece is not None, "log probabilities need the tokenizer's pieces"
@@ -243,11 +261,13 @@ class Reply:
                 )
             return {"content": content}
         tokens, offsets = [], []
+        offset = self.text_offsets.get(index, 0)
         for e in entries:
             text = piece(e.token)[0]
             tokens.append(text)
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(offset)
+            offset += len(text)
+        self.text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [value(e.logprob) for e in entries],
@@ -255,18 +275,22 @@ class Reply:
             "text_offset": offsets,
         }
 
-    def full(self, outcome: Outcome) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": outcome.text}
-        else:
-            choice["text"] = outcome.text
-        choice["logprobs"] = self.logprobs(outcome.logprobs)
+    def full(self, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        """The response: one choice per outcome (a request's ``n``), in order."""
+        choices = []
+        for index, outcome in enumerate(outcomes):
+            choice: dict[str, Any] = {"index": index, "finish_reason": outcome.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": outcome.text}
+            else:
+                choice["text"] = outcome.text
+            choice["logprobs"] = self.logprobs(outcome.logprobs, index)
+            choices.append(choice)
         return {
             **self._head(self.object),
-            "choices": [choice],
-            "usage": self.usage(outcome),
-            "dart": self.dart(outcome),
+            "choices": choices,
+            "usage": self.usage(outcomes),
+            "dart": self.dart(outcomes),
         }
 
     def chunk(
@@ -276,8 +300,9 @@ class Reply:
         *,
         first: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -285,16 +310,16 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = self.logprobs(logprobs)
+        choice["logprobs"] = self.logprobs(logprobs, index)
         choice["finish_reason"] = finish_reason
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice]}
 
-    def usage_chunk(self, outcome: Outcome) -> dict[str, Any]:
+    def usage_chunk(self, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {
             **self._head(obj),
             "choices": [],
-            "usage": self.usage(outcome),
-            "dart": self.dart(outcome),
+            "usage": self.usage(outcomes),
+            "dart": self.dart(outcomes),
         }

@@ -131,18 +131,27 @@ class Scheduler:
     # -- the HTTP side ----------------------------------------------------------------------
 
     def submit(self, ids: list[int], sampling: Sampling) -> Job:
-        job = Job(ids, sampling, time.monotonic() + self.timeout, asyncio.get_running_loop())
+        (job,) = self.submit_all(ids, [sampling])
+        return job
+
+    def submit_all(self, ids: list[int], samplings: list[Sampling]) -> list[Job]:
+        """One job per sampling (a request's ``n`` choices), queued together or not at all
+        (:class:`QueueFull` when the queue has no room for all of them)."""
+        deadline = time.monotonic() + self.timeout
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, sampling, deadline, loop) for sampling in samplings]
         with self._cond:
             if self._closing:
                 raise ShuttingDown()
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + len(jobs) > self.max_queue:
                 busy = len(self._queue) + (self._running is not None) + self._live
                 raise QueueFull(max(1, round(busy * self._mean_seconds)))
-            job.number = next(self._numbers)
-            self._queue.append(job)
+            for job in jobs:
+                job.number = next(self._numbers)
+                self._queue.append(job)
             self.observer.queue_depth(len(self._queue))
             self._cond.notify()
-        return job
+        return jobs
 
     @property
     def depth(self) -> int:
