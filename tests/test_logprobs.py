@@ -186,3 +186,18 @@ def test_alternatives_tie_by_token_id() -> None:
     (lp,) = token_logprobs(logits, [2], 4)
     assert [t for t, _ in lp.top] == [1, 2, 4, 3]
     assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_prompt_logprobs_in_chunks_are_the_teacher_forced_ones(
+    chunk: int, target: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``echo``'s prompt scores: read in chunks (a chunk's last position scores the next
+    chunk's first token), equal to one plain forward over the whole prompt."""
+    from dart_client.decoding import logprobs
+    from dart_client.models.target import TargetModel
+
+    monkeypatch.setattr(logprobs, "PROMPT_CHUNK", chunk)
+    prompt = random_prompts(1, seed=21, max_len=40)[0] + [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    got = logprobs.prompt_logprobs(TargetModel(target), prompt, 2)
+    assert_close(got, teacher_forced(target, prompt[:1], prompt[1:], 2))

@@ -425,6 +425,43 @@ def test_n_choices_are_generations_of_their_own(
         assert streamed == texts
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server: Server, reference: Any) -> None:
+    """``echo`` with ``logprobs`` and one new token (lm-evaluation-harness's loglikelihood
+    request): the prompt comes back first, its tokens scored by the target (the first one
+    unscored), checked against one plain transformers forward; streamed the same."""
+    import torch
+
+    client = server.client()
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = reference.encode_input(prompt=prompt)
+    with torch.no_grad():
+        logits = reference.target.model(torch.tensor([ids])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].tolist()
+    ref = greedy(reference, 1, prompt=prompt)
+    common = {"model": "dart-smollm2-135m-instruct", "max_tokens": 1, "temperature": 0}
+    out = client.completions.create(prompt=prompt, echo=True, logprobs=1, **common)
+    choice = out.choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1
+    assert "".join(lp.tokens) == prompt + ref.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=2e-3)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # The continuation's token: scored like the others, and the greedy one.
+    (top,) = lp.top_logprobs[-1].items()
+    assert top == (lp.tokens[-1], lp.token_logprobs[-1])
+    chunks = list(
+        client.completions.create(prompt=prompt, echo=True, logprobs=1, stream=True, **common)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    plain = client.completions.create(prompt=ids, echo=True, **common)
+    assert plain.choices[0].text == reference.tokenizer.decode(ids) + ref.text
+    assert plain.choices[0].logprobs is None
+
+
 def test_raw_stream_ends_with_done(server: Server) -> None:
     body = {
         "model": "dart-smollm2-135m-instruct",

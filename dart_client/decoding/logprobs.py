@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dart_client.errors import InvalidArgumentError, InvalidTypeError
 
@@ -73,3 +73,30 @@ def check_logprobs(value: object) -> int | None:
             f"logprobs = {value}: expected 0..{MAX_TOP_LOGPROBS} alternatives per token (or None)"
         )
     return value
+
+
+#: Prompt positions scored per forward by :func:`prompt_logprobs` (bounds the logits held:
+#: positions x vocabulary floats).
+PROMPT_CHUNK = 256
+
+
+def prompt_logprobs(target: Any, ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The :class:`TokenLogprob` of every prompt token after the first under the target
+    (``target``: a :class:`~dart_client.models.target.TargetModel`): the prompt read in
+    chunks of :data:`PROMPT_CHUNK` positions into a cache of its own, each chunk's logits
+    scored and dropped. What OpenAI's ``echo`` with ``logprobs`` reports for the prompt
+    (evaluation harnesses score continuations this way)."""
+    import torch
+
+    ids = list(ids)
+    cache = target.new_cache(len(ids))
+    out: list[TokenLogprob] = []
+    for start in range(0, len(ids) - 1, PROMPT_CHUNK):
+        chunk = ids[start : start + PROMPT_CHUNK]
+        x = torch.tensor([chunk], dtype=torch.long, device=target.device)
+        positions = torch.arange(start, start + len(chunk), device=target.device).unsqueeze(0)
+        logits, _ = target.forward(x, positions, cache, logits_to_keep=0, taps=False)
+        # Position p's logits score token p + 1 (the last chunk has no next token to score).
+        following = ids[start + 1 : start + 1 + len(chunk)]
+        out.extend(token_logprobs(logits[0], following, top))
+    return out

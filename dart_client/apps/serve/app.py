@@ -17,7 +17,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dart_client.apps.serve.generation import Engine, Outcome, Step
+from dart_client.apps.serve.generation import Engine, Outcome, PromptScores, Step
 from dart_client.apps.serve.metrics import Metrics
 from dart_client.apps.serve.protocol import (
     ChatRequest,
@@ -122,11 +122,20 @@ def create_app(
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
             ids = engine.check_ids([int(x) for x in prompt])
-        return await run(req, ids, request, chat=False)
+        echo = None
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else engine.decode(ids)
+        return await run(req, ids, request, chat=False, echo=echo)
 
     async def run(
-        req: ChatRequest | CompletionRequest, ids: list[int], request: Request, chat: bool
+        req: ChatRequest | CompletionRequest,
+        ids: list[int],
+        request: Request,
+        chat: bool,
+        echo: str | None = None,
     ) -> Response:
+        """Queue the request's choices and answer (``echo``: the prompt's text, which the
+        completion text then starts with)."""
         sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
         if req.n > scheduler.max_queue:
             raise bad_request(
@@ -140,12 +149,13 @@ def create_app(
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(jobs, reply, usage),
+                stream(jobs, reply, usage, ids, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         merged, pumps = merge(jobs)
         outcomes: dict[int, Outcome] = {}
+        scores: PromptScores | None = None
         checked = time.monotonic()
         try:
             while len(outcomes) < len(jobs):
@@ -155,6 +165,8 @@ def create_app(
                     index, message = -1, None
                 if isinstance(message, JobError):
                     return error_response(message)
+                if isinstance(message, PromptScores):
+                    scores = message
                 if isinstance(message, Outcome):
                     outcomes[index] = message
                 # Look at the connection every POLL_SECONDS, steps coming or not.
@@ -162,7 +174,17 @@ def create_app(
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         return Response(status_code=499)
-            return JSONResponse(reply.full([outcomes[i] for i in range(len(jobs))]))
+            echoed = None
+            if echo is not None:
+                prompt_logprobs = None
+                if scores is not None:
+                    done = scores
+
+                    def prompt_logprobs(index: int) -> Any:
+                        return reply.echo_logprobs(ids, done.logprobs, index)
+
+                echoed = (echo, prompt_logprobs)
+            return JSONResponse(reply.full([outcomes[i] for i in range(len(jobs))], echoed))
         finally:
             end(jobs, pumps)  # a no-op for jobs that have ended
 
@@ -186,7 +208,7 @@ def create_app(
         for task in pumps:
             task.cancel()
 
-    async def next_message(job: Job) -> Step | Outcome | JobError:
+    async def next_message(job: Job) -> PromptScores | Step | Outcome | JobError:
         """The job's next message; a timeout error past its deadline."""
         remaining = job.deadline - time.monotonic()
         if remaining <= 0:
@@ -198,7 +220,9 @@ def create_app(
             job.cancel()
             return timeout_error(scheduler.timeout)
 
-    async def stream(jobs: list[Job], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        jobs: list[Job], reply: Reply, include_usage: bool, ids: list[int], echo: str | None
+    ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects: `finally` then tells
         # the worker, which drops the jobs at their next step.
         merged, pumps = merge(jobs)
@@ -206,9 +230,27 @@ def create_app(
             if reply.chat:
                 for index in range(len(jobs)):
                     yield sse(reply.chunk("", first=True, index=index))
+
+            def echoed(scores: PromptScores | None) -> Iterator[str]:
+                """Each choice's first chunk: the echoed prompt (scored when asked)."""
+                assert echo is not None
+                for index in range(len(jobs)):
+                    chunk = reply.chunk(echo, index=index)
+                    if scores is not None:
+                        logprobs = reply.echo_logprobs(ids, scores.logprobs, index)
+                        chunk["choices"][0]["logprobs"] = logprobs
+                    yield sse(chunk)
+
+            if echo is not None and jobs[0].sampling.prompt_logprobs is None:
+                for chunk in echoed(None):
+                    yield chunk
             outcomes: dict[int, Outcome] = {}
             while len(outcomes) < len(jobs):
                 index, message = await merged.get()
+                if isinstance(message, PromptScores):
+                    for chunk in echoed(message):
+                        yield chunk
+                    continue
                 if isinstance(message, JobError):
                     yield sse(error_body(message))
                     break

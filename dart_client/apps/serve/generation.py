@@ -31,6 +31,8 @@ class Sampling:
     speculative: bool = True
     #: None, or report each token's log probability with that many alternatives.
     logprobs: int | None = None
+    #: None, or score the prompt's tokens first, with that many alternatives (``echo``).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -44,6 +46,13 @@ class Step:
     #: With ``Sampling.logprobs``: a :class:`~dart_client.decoding.logprobs.TokenLogprob`
     #: per token of the step.
     logprobs: list[Any] | None = None
+
+
+@dataclass
+class PromptScores:
+    """The log probabilities of a prompt's tokens after the first (sent before any step)."""
+
+    logprobs: list[Any]
 
 
 @dataclass
@@ -91,9 +100,19 @@ class Engine:
     def encode_text(self, prompt: str) -> list[int]:
         return self.model.encode_input(prompt=prompt)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (an echoed prompt given as ids)."""
+        return str(self.model.tokenizer.decode(ids))
+
     def check_ids(self, ids: list[int]) -> list[int]:
         """Token ids given by the client, checked against the vocabulary."""
         return self.model.encode_input(input_ids=ids)
+
+    def prompt_scores(self, ids: list[int], top: int) -> PromptScores:
+        """The target's log probability of each prompt token after the first."""
+        from dart_client.decoding.logprobs import prompt_logprobs
+
+        return PromptScores(prompt_logprobs(self.model.target, ids, top))
 
     def token_piece(self, token: int) -> tuple[str, list[int]]:
         """A token's text and bytes as OpenAI's ``logprobs`` show them: the token's own bytes

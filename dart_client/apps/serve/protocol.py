@@ -85,6 +85,9 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: The prompt comes back before the completion (with ``logprobs``: scored, its first
+    #: token unscored), as evaluation harnesses ask to score a continuation.
+    echo: StrictBool = False
 
 
 def logprobs_of(req: _Common) -> int | None:
@@ -164,6 +167,7 @@ def sampling_of(
         tree_budget=req.tree_budget,
         speculative=req.speculative and speculative,
         logprobs=logprobs_of(req),
+        prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
 
 
@@ -181,9 +185,14 @@ def error_body(err: JobError) -> dict[str, Any]:
 def choices_of(sampling: Sampling, n: int) -> list[Sampling]:
     """The settings of a request's ``n`` choices: the request's, each with its own seed when
     it gave one (``seed + i``: reproducible, and different samples)."""
-    if sampling.seed is None:
-        return [sampling] * n
-    return [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(n)]
+    seeds = [None] * n if sampling.seed is None else [sampling.seed + i for i in range(n)]
+    # An echoed prompt is scored once, by the first choice's job.
+    return [
+        dataclasses.replace(
+            sampling, seed=seed, prompt_logprobs=sampling.prompt_logprobs if i == 0 else None
+        )
+        for i, seed in enumerate(seeds)
+    ]
 
 
 #: What a log probability of minus infinity is sent as (JSON has no infinities; OpenAI's
@@ -235,11 +244,12 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def logprobs(
-        self, entries: Sequence[TokenLogprob] | None, index: int = 0
+        self, entries: Sequence[TokenLogprob] | None, index: int = 0, first: int | None = None
     ) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object of some tokens of choice ``index``: chat's ``content``
         list, or the completions API's parallel lists (``text_offset`` counting on from the
-        choice's tokens sent before)."""
+        choice's tokens sent before; ``first``: an unscored token before them, an echoed
+        prompt's first)."""
         if entries is None:
             return None
         assert self.piece is not None, "log probabilities need the tokenizer's pieces"
@@ -260,31 +270,49 @@ class Reply:
                     {"token": text, "logprob": value(e.logprob), "bytes": raw, "top_logprobs": top}
                 )
             return {"content": content}
+        unscored = [] if first is None else [first]
         tokens, offsets = [], []
         offset = self.text_offsets.get(index, 0)
-        for e in entries:
-            text = piece(e.token)[0]
+        for token in [*unscored, *(e.token for e in entries)]:
+            text = piece(token)[0]
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
         self.text_offsets[index] = offset
+        none: list[Any] = [None] * len(unscored)
         return {
             "tokens": tokens,
-            "token_logprobs": [value(e.logprob) for e in entries],
-            "top_logprobs": [{piece(t)[0]: value(lp) for t, lp in e.top} for e in entries],
+            "token_logprobs": none + [value(e.logprob) for e in entries],
+            "top_logprobs": none + [{piece(t)[0]: value(lp) for t, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
 
-    def full(self, outcomes: Sequence[Outcome]) -> dict[str, Any]:
-        """The response: one choice per outcome (a request's ``n``), in order."""
+    def echo_logprobs(
+        self, ids: Sequence[int], scores: Sequence[TokenLogprob], index: int = 0
+    ) -> dict[str, Any]:
+        """The completions API's ``logprobs`` of an echoed prompt: its tokens, the first
+        unscored (None, as OpenAI has it), the others with their :class:`TokenLogprob`."""
+        rest = self.logprobs(scores, index, first=ids[0])
+        assert rest is not None
+        return rest
+
+    def full(
+        self, outcomes: Sequence[Outcome], echo: tuple[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The response: one choice per outcome (a request's ``n``), in order; ``echo``: the
+        prompt's text and its :meth:`echo_logprobs` (None without logprobs) to put first."""
         choices = []
         for index, outcome in enumerate(outcomes):
             choice: dict[str, Any] = {"index": index, "finish_reason": outcome.finish_reason}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": outcome.text}
             else:
-                choice["text"] = outcome.text
-            choice["logprobs"] = self.logprobs(outcome.logprobs, index)
+                choice["text"] = outcome.text if echo is None else echo[0] + outcome.text
+            prompt = None if echo is None or echo[1] is None else echo[1](index)
+            logprobs = self.logprobs(outcome.logprobs, index)
+            if prompt is not None and logprobs is not None:
+                logprobs = {k: prompt[k] + logprobs[k] for k in logprobs}
+            choice["logprobs"] = logprobs
             choices.append(choice)
         return {
             **self._head(self.object),

@@ -23,6 +23,7 @@ from typing import Any
 from dart_client.apps.serve.generation import (
     Engine,
     Outcome,
+    PromptScores,
     Sampling,
     Step,
     outcome_of,
@@ -67,7 +68,9 @@ class Job:
     sampling: Sampling
     deadline: float  # time.monotonic() after which the job is abandoned
     loop: asyncio.AbstractEventLoop
-    messages: asyncio.Queue[Step | Outcome | JobError] = field(default_factory=asyncio.Queue)
+    messages: asyncio.Queue[PromptScores | Step | Outcome | JobError] = field(
+        default_factory=asyncio.Queue
+    )
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     number: int = 0
@@ -76,7 +79,7 @@ class Job:
         """Called when the client goes away: the worker drops the job at its next step."""
         self.cancelled.set()
 
-    def _send(self, message: Step | Outcome | JobError) -> None:
+    def _send(self, message: PromptScores | Step | Outcome | JobError) -> None:
         self.loop.call_soon_threadsafe(self.messages.put_nowait, message)
 
 
@@ -217,6 +220,7 @@ class Scheduler:
         first = True
         events = self.engine.generate(job.ids, job.sampling)
         try:
+            self._score_prompt(job)
             for event in events:
                 if isinstance(event, Outcome):
                     self.observer.outcome(job, event)
@@ -236,6 +240,12 @@ class Scheduler:
             close: Callable[[], Any] | None = getattr(events, "close", None)
             if close is not None:
                 close()
+
+    def _score_prompt(self, job: Job) -> None:
+        """Send the prompt's log probabilities first when the job asks for them (``echo``)."""
+        top = job.sampling.prompt_logprobs
+        if top is not None:
+            job._send(self.engine.prompt_scores(job.ids, top))
 
     def _abandon(self, job: Job, reason: JobError) -> None:
         self.observer.abandoned(job, reason.code or reason.type)
@@ -272,6 +282,8 @@ class Scheduler:
                     continue
                 mode = engine.mode(job.sampling)
                 try:
+                    # Before it joins: the batch waits for this one forward, as for a prefill.
+                    self._score_prompt(job)
                     config = engine.config(job.ids, job.sampling, self.max_batch)
                     if mode not in generators:
                         generators[mode] = engine.batch_generator(mode, self.max_batch)
