@@ -511,27 +511,28 @@ def test_the_tuned_tree_replays_generation_and_auto_decodes_with_it(distilled: A
 
 
 def test_a_checkpoint_loads_as_its_own_kind_and_the_other_is_named(tmp_path: Path) -> None:
-    """``load_drafter`` (``--head``, ``DartModel.from_pretrained``) reads the architecture
-    and loads the right class; each class refuses the other kind by name, not by its keys."""
+    """``load_drafter`` (``--head``, ``DartModel.from_pretrained``) tells the kinds apart by
+    the weights (a DART head has the MASK embedding; published DART heads name EAGLE-3's
+    architecture in their config too); each class names the other kind when given it."""
     from dart_client.loading import load_drafter
     from dart_client.models.head import DartHead
 
     target = make_tiny_target("llama")
-    eagle = write_published(tmp_path / "eagle3", tiny_head(target), {}, "safetensors")
-    # (the weights do not matter here: the kind is decided by config.json alone)
+    eagle = tiny_head(target)
+    for fmt in ("safetensors", "bin"):
+        published = write_published(tmp_path / fmt, eagle, published_state(eagle), fmt)
+        assert type(load_drafter(published)) is Eagle3Head
     dart = tmp_path / "dart"
     DartHead.random_init(target.config, draft_vocab_size=64).save_pretrained(dart)
-    with pytest.raises(CheckpointError, match="is an EAGLE-3 draft model"):
-        DartHead.from_pretrained(eagle)
-    with pytest.raises(CheckpointError, match="not an EAGLE-3 draft model"):
-        Eagle3Head.from_pretrained(dart)
+    config = json.loads((dart / "config.json").read_text())
+    (dart / "config.json").write_text(json.dumps({**config, "architectures": [ARCHITECTURE]}))
     assert type(load_drafter(dart)) is DartHead
-    published = write_published(
-        tmp_path / "eagle3-full", tiny_head(target), published_state(tiny_head(target)), "bin"
-    )
-    assert type(load_drafter(published)) is Eagle3Head
+    with pytest.raises(CheckpointError, match=r"mask_rep.*looks like an EAGLE-3 draft model"):
+        DartHead.from_pretrained(tmp_path / "safetensors")
+    with pytest.raises(CheckpointError, match=r"mask_rep.*looks like a DART head"):
+        Eagle3Head.from_pretrained(dart)
     with pytest.raises(InvalidArgumentError, match="double_final_norm"):
-        load_drafter(published, double_final_norm=True)
+        load_drafter(tmp_path / "bin", double_final_norm=True)
 
 
 @pytest.fixture(scope="module")

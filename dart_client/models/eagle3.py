@@ -88,7 +88,7 @@ class Eagle3Head(DartHead):
     checkpoint_keys = EAGLE3_KEYS
     weight_files = (WEIGHTS_NAME, BIN_WEIGHTS_NAME)
     kind = "EAGLE-3 head"
-    eagle3 = True
+    other_kind = "a DART head"
 
     def __init__(self, config: DartHeadConfig) -> None:
         # EAGLE-3 normalises once before lm_head; its configs carry no such field.

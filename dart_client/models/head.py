@@ -573,10 +573,10 @@ class DartHead(nn.Module):
     checkpoint_keys: tuple[str, ...] = CHECKPOINT_KEYS
     #: Weight files ``from_pretrained`` reads, the first one present.
     weight_files: tuple[str, ...] = (WEIGHTS_NAME,)
-    #: What this class is called in error messages, and whether it is an EAGLE-3 draft model
-    #: (a checkpoint's ``architectures`` say which one it is: :func:`is_eagle3_checkpoint`).
+    #: What this class is called in error messages, and the other kind of draft model (a
+    #: checkpoint of which lacks or has :data:`MASK_KEY`: :func:`is_eagle3_checkpoint`).
     kind = "DART head"
-    eagle3 = False
+    other_kind = "an EAGLE-3 draft model"
 
     def __init__(self, config: DartHeadConfig) -> None:
         super().__init__()
@@ -677,14 +677,6 @@ class DartHead(nn.Module):
             raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{config_path}: expected a JSON object")
-        architectures = raw.get("architectures") or []
-        if architectures and names_eagle3(architectures) != cls.eagle3:
-            other = "an EAGLE-3 draft model" if not cls.eagle3 else "not an EAGLE-3 draft model"
-            raise CheckpointError(
-                f"{config_path}: architectures {architectures} is {other}, so it does not load "
-                f"as a {cls.kind} (`dart generate`/`serve` --head and DartModel.from_pretrained "
-                "take either kind and load the right one)"
-            )
         config = DartHeadConfig.from_dict(raw, source=str(config_path))
         if double_final_norm is not None:
             config.double_final_norm = double_final_norm
@@ -717,6 +709,13 @@ class DartHead(nn.Module):
                     f"{tuple(expected[key].shape)} from the config"
                 )
         if problems:
+            # The one key that tells the two kinds apart (published DART heads, too, name
+            # EAGLE-3's architecture in their config).
+            if [MASK_KEY] in (missing, unexpected):
+                problems.append(
+                    f"this looks like {self.other_kind}, not a {self.kind}: `dart generate`/"
+                    "`serve` --head and DartModel.from_pretrained load either kind"
+                )
             raise CheckpointError(f"{source}: " + "; ".join(problems))
         own = {k: state[k] for k in keys}
         d2t = own["d2t"]
@@ -954,23 +953,28 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read safetensors ({err})") from None
 
 
-def names_eagle3(architectures: Any) -> bool:
-    """Whether a checkpoint's ``architectures`` name an EAGLE-3 draft model (published ones
-    say ``LlamaForCausalLMEagle3``; DART heads say ``LlamaForCausalLMDart`` or nothing)."""
-    return isinstance(architectures, list) and any(
-        "eagle3" in str(a).lower() for a in architectures
-    )
+#: The DART head's MASK embedding: the key only DART checkpoints hold.
+MASK_KEY = "midlayer.mask_rep"
 
 
 def is_eagle3_checkpoint(path: str | Path, **hub_kwargs: Any) -> bool:
     """Whether the draft checkpoint at ``path`` (a directory or hub id) is an EAGLE-3 draft
-    model rather than a DART head, by its ``config.json`` (fetched alone from a hub)."""
-    directory = _resolve_head_dir(path, (CONFIG_NAME,), **hub_kwargs)
-    try:
-        raw = json.loads((directory / CONFIG_NAME).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return False  # from_pretrained names what is wrong with it
-    return isinstance(raw, dict) and names_eagle3(raw.get("architectures"))
+    model rather than a DART head. Both name EAGLE-3's architecture in their ``config.json``
+    (DART's code grew from EAGLE-3's), so the weights decide: a DART head has the MASK
+    embedding (:data:`MASK_KEY`, read from the safetensors header alone); a checkpoint with
+    only ``pytorch_model.bin`` is EAGLE-3's (DART heads are published as safetensors)."""
+    bin_weights = "pytorch_model.bin"  # EAGLE-3's other format
+    directory = _resolve_head_dir(path, (CONFIG_NAME, WEIGHTS_NAME, bin_weights), **hub_kwargs)
+    weights = directory / WEIGHTS_NAME
+    if weights.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(weights), framework="pt") as f:
+                return MASK_KEY not in set(f.keys())
+        except Exception:  # a corrupt file: loading it as a DART head names the problem
+            return False
+    return (directory / bin_weights).is_file()
 
 
 def _resolve_head_dir(path: str | Path, files: tuple[str, ...], **hub_kwargs: Any) -> Path:
