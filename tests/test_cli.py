@@ -130,6 +130,20 @@ def test_generate_prints_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]
     # --static on (the cuda default, chosen here on the CPU) decodes the same tokens.
     assert main([*argv[:-1], "--static", "on", argv[-1]]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == record["tokens"]
+    # --logprobs: the same tokens, each with its log probability and alternatives (greedy:
+    # the token is its own likeliest), as JSON or as a table on stderr.
+    assert main([*argv[:-1], "--logprobs", "2", argv[-1]]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["tokens"] == record["tokens"]
+    assert [lp["token"] for lp in scored["logprobs"]] == record["tokens"]
+    for lp in scored["logprobs"]:
+        assert len(lp["top"]) == 2 and lp["top"][0] == [lp["token"], lp["logprob"]]
+    plain = [a for a in argv if a != "--json"]
+    assert main([*plain[:-1], "--logprobs", "0", plain[-1]]) == 0
+    err = capsys.readouterr().err
+    assert sum("%)" in line for line in err.splitlines()) == len(record["tokens"])
+    assert main([*argv[:-1], "--logprobs", "21", argv[-1]]) == 2  # a usage error
+    assert "logprobs" in capsys.readouterr().err
 
 
 # ---- the n-gram's tokenizer ------------------------------------------------------------------

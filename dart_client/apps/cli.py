@@ -140,6 +140,14 @@ def generate_main(argv: Sequence[str]) -> int:
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print each token's log probability under the target and its N likeliest "
+        "alternatives (0-20; in --json: a 'logprobs' list)",
+    )
     args = p.parse_args(list(argv))
     config = generation_config(args, p)
     check_model_arguments(args, p)
@@ -177,13 +185,39 @@ def generate_main(argv: Sequence[str]) -> int:
                     "timings": result.timings,
                     "elapsed": result.elapsed,
                     "finish_reason": result.finish_reason,
+                    **({} if result.logprobs is None else {"logprobs": _logprobs_json(result)}),
                 }
             )
         )
     else:
         print(result.text)
+        if result.logprobs is not None:
+            print(_logprobs_table(model.tokenizer, result.logprobs), file=sys.stderr)
         print(_stats(result), file=sys.stderr)
     return 0
+
+
+def _logprobs_json(result: Any) -> list[dict[str, Any]]:
+    return [
+        {"token": lp.token, "logprob": lp.logprob, "top": [list(alt) for alt in lp.top]}
+        for lp in result.logprobs
+    ]
+
+
+def _logprobs_table(tokenizer: Any, logprobs: Sequence[Any]) -> str:
+    """One line per token: its text, log probability and probability, its alternatives."""
+    import math
+
+    def show(token: int) -> str:
+        return repr(tokenizer.decode([token])) if tokenizer is not None else str(token)
+
+    lines = []
+    for lp in logprobs:
+        alternatives = "  ".join(f"{show(t)} {v:.3f}" for t, v in lp.top)
+        lines.append(
+            f"{show(lp.token):>16} {lp.logprob:9.4f} ({math.exp(lp.logprob):6.1%})  {alternatives}"
+        )
+    return "\n".join(lines)
 
 
 # -- dart chat ------------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ def generation_config(
             seed=args.seed,
             tree_budget=args.tree_budget,
             static=args.static,
+            logprobs=getattr(args, "logprobs", None),
         )
     except DartError as err:
         parser.error(str(err))
