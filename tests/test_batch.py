@@ -675,3 +675,31 @@ def test_generate_batch_sizes_the_tail_from_the_tunings_held(target: Any, head: 
     assert [o.tokens for o in outs] == want
     assert all(max(b) <= 5 for b in builder.budgets), builder.budgets
     assert any(len(b) == 1 and max(b) == 5 for b in builder.budgets), builder.budgets
+
+
+@STATIC
+def test_ignore_eos_generates_past_the_end_alone_and_batched(
+    static: bool, target: Any, head: DartHead
+) -> None:
+    """``ignore_eos``: the output runs to ``max_new_tokens`` through end-of-sequence tokens,
+    the same alone and in a batch, DART and AR; without it the output ends at the first."""
+    prompts = random_prompts(3, seed=30)
+    dm = DartModel(target, head, tree_builder=None)
+    truths = [p + alone(dm, p, "ar", max_new_tokens=24) for p in prompts]
+    dm.tree_builder = Truths(truths)
+    # The 5th token of the first output ends a sequence from now on.
+    eos = truths[0][len(prompts[0]) + 4]
+    dm.target.eos_token_ids = {eos}
+    try:
+        for mode in ("ar", "dart"):
+            ended = alone(dm, prompts[0], mode, max_new_tokens=24, tree_budget=12)
+            assert ended[-1] == eos and len(ended) <= 5
+            config = {"max_new_tokens": 24, "tree_budget": 12, "ignore_eos": True}
+            full = [alone(dm, p, mode, static=static, **config) for p in prompts]
+            assert full[0] == truths[0][len(prompts[0]) :]
+            assert all(len(f) == 24 for f in full)
+            got = dm.generate_batch(prompts, mode=mode, static=static, **config)
+            assert [r.tokens for r in got] == full
+            assert all(r.finish_reason == "length" for r in got)
+    finally:
+        dm.target.eos_token_ids = dm.target._eos_ids()

@@ -462,6 +462,25 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server: Server, refe
     assert plain.choices[0].logprobs is None
 
 
+def test_ignore_eos_generates_to_max_tokens(server: Server, reference: Any) -> None:
+    """vLLM's ``ignore_eos`` (benchmarks fix output lengths with it): the answer runs through
+    its end-of-turn token to ``max_tokens``, starting with the answer that stops there."""
+    client = server.client()
+    messages = chat_messages(QUESTIONS[0])
+    ref = greedy(reference, 40, messages=messages)
+    assert ref.finish_reason == "eos" and len(ref.tokens) < 40  # what makes the test able to fail
+    common = {"model": "dart-smollm2-135m-instruct", "max_tokens": 40, "temperature": 0}
+    resp = client.chat.completions.create(messages=messages, **common)
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == len(ref.tokens)
+    long = client.chat.completions.create(
+        messages=messages, extra_body={"ignore_eos": True}, **common
+    )
+    assert long.choices[0].finish_reason == "length"
+    assert long.usage.completion_tokens == 40
+    assert long.choices[0].message.content.startswith(ref.text)
+
+
 def test_raw_stream_ends_with_done(server: Server) -> None:
     body = {
         "model": "dart-smollm2-135m-instruct",

@@ -148,6 +148,11 @@ def generate_main(argv: Sequence[str]) -> int:
         help="also print each token's log probability under the target and its N likeliest "
         "alternatives (0-20; in --json: a 'logprobs' list)",
     )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate through end-of-sequence tokens to --max-new-tokens (fixed lengths)",
+    )
     args = p.parse_args(list(argv))
     config = generation_config(args, p)
     check_model_arguments(args, p)

@@ -211,6 +211,7 @@ def generation_config(
             tree_budget=args.tree_budget,
             static=args.static,
             logprobs=getattr(args, "logprobs", None),
+            ignore_eos=getattr(args, "ignore_eos", False),
         )
     except DartError as err:
         parser.error(str(err))

@@ -58,7 +58,10 @@ class GenerationConfig:
       only. The outputs are the same either way (up to floating-point rounding);
     - ``logprobs``: None, or report each new token's log probability under the target's raw
       distribution with that many likeliest alternatives (0..20;
-      :mod:`dart_client.decoding.logprobs`): ``GenerationResult.logprobs``.
+      :mod:`dart_client.decoding.logprobs`): ``GenerationResult.logprobs``;
+    - ``ignore_eos``: generate past end-of-sequence tokens (as vLLM's ``ignore_eos``: fixed
+      output lengths for benchmarks); only ``max_new_tokens``, ``max_length`` and stop
+      strings end the output.
     """
 
     max_new_tokens: int = 512
@@ -72,6 +75,7 @@ class GenerationConfig:
     prompt_lookup: int | PromptLookupConfig | None = _MODEL_DEFAULT
     static: bool | str = "auto"
     logprobs: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -85,6 +89,10 @@ class GenerationConfig:
             parse_prompt_lookup(self.prompt_lookup)
         object.__setattr__(self, "static", parse_static(self.static))
         object.__setattr__(self, "logprobs", check_logprobs(self.logprobs))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidTypeError(
+                f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
+            )
 
     @property
     def sampling(self) -> SamplingParams:

@@ -368,6 +368,7 @@ def new_run(
         prefix_cache,
         static,
         config.logprobs,
+        config.ignore_eos,
     )
 
 
@@ -390,6 +391,7 @@ class _Run:
         prefix_cache: PrefixCache | None = None,
         static: bool = False,
         logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -423,6 +425,10 @@ class _Run:
         # Alternatives per token when log probabilities are reported, and theirs so far.
         self.logprobs_top = logprobs
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        # The tokens that end the output (none: generate past them).
+        self.eos: frozenset[int] = (
+            frozenset() if ignore_eos else frozenset(self.target.eos_token_ids)
+        )
 
     def _clock(self) -> float:
         if self.sync:
@@ -718,8 +724,7 @@ class _Run:
         before = len(self.generated)
         limit = min(self.max_new, self.max_length - len(self.prompt))
         new = new[: limit - before]
-        eos = self.target.eos_token_ids
-        hit = next((i for i, tok in enumerate(new) if tok in eos), None)
+        hit = next((i for i, tok in enumerate(new) if tok in self.eos), None)
         if hit is not None:
             new = new[: hit + 1]
             self.finish = "eos"

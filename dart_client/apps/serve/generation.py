@@ -33,6 +33,7 @@ class Sampling:
     logprobs: int | None = None
     #: None, or score the prompt's tokens first, with that many alternatives (``echo``).
     prompt_logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Engine:
             tree_budget=sampling.tree_budget,
             static=self.static,
             logprobs=sampling.logprobs,
+            ignore_eos=sampling.ignore_eos,
         )
         return self.model.resolve_config(config, self.mode(sampling), batch)
 

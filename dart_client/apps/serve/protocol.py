@@ -73,6 +73,8 @@ class _Common(BaseModel):
     # DART's own options.
     tree_budget: StrictInt | None = Field(default=None, ge=0)
     speculative: StrictBool = True
+    # vLLM's: generate past end-of-sequence tokens (benchmarks fix output lengths so).
+    ignore_eos: StrictBool = False
 
 
 class ChatRequest(_Common):
@@ -167,6 +169,7 @@ def sampling_of(
         tree_budget=req.tree_budget,
         speculative=req.speculative and speculative,
         logprobs=logprobs_of(req),
+        ignore_eos=req.ignore_eos,
         prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
 
