@@ -701,5 +701,16 @@ def test_ignore_eos_generates_past_the_end_alone_and_batched(
             got = dm.generate_batch(prompts, mode=mode, static=static, **config)
             assert [r.tokens for r in got] == full
             assert all(r.finish_reason == "length" for r in got)
+            # A stop token id ends the output as end-of-sequence does, ignored or not.
+            stop = truths[1][len(prompts[1]) + 6]
+            for ignore in (False, True):
+                cut = dm.generate_batch(
+                    prompts[1:2], mode=mode, static=static,
+                    **{**config, "ignore_eos": ignore, "stop_token_ids": [stop]},
+                )[0].tokens  # fmt: skip
+                want = full[1][: full[1].index(stop) + 1]
+                if not ignore and eos in want:
+                    want = want[: want.index(eos) + 1]
+                assert cut == want
     finally:
         dm.target.eos_token_ids = dm.target._eos_ids()

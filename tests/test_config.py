@@ -35,6 +35,10 @@ from dart_client.ngram import NGram, PrunerConfig
         ({"tree_budget": "many"}, InvalidArgumentError, "tree budget"),
         ({"tree_budget": 2.0}, InvalidTypeError, "tree_budget"),
         ({"prompt_lookup": -1}, InvalidArgumentError, "prompt_lookup"),
+        ({"ignore_eos": 1}, InvalidTypeError, "ignore_eos"),
+        ({"stop_token_ids": "5"}, InvalidTypeError, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, InvalidArgumentError, "stop token id"),
+        ({"stop_token_ids": [1.5]}, InvalidTypeError, "stop token id"),
     ],
 )
 def test_bad_settings_fail_at_construction(
@@ -142,3 +146,5 @@ def test_generate_takes_a_config_and_overrides(
     assert a.tokens == b.tokens == ar.tokens  # greedy DART is the target's greedy output
     assert c.tokens == a.tokens[:3]
     assert config.max_new_tokens == 6  # the override made a copy
+    with pytest.raises(InvalidArgumentError, match=r"stop_token_ids .* outside"):
+        dm.generate([5, 9, 11], config, stop_token_ids=[10**6])

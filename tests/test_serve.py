@@ -479,6 +479,19 @@ def test_ignore_eos_generates_to_max_tokens(server: Server, reference: Any) -> N
     assert long.choices[0].finish_reason == "length"
     assert long.usage.completion_tokens == 40
     assert long.choices[0].message.content.startswith(ref.text)
+    # vLLM's stop_token_ids: the answer's 3rd token ends it (kept as its last), ignore_eos or not.
+    stop = ref.tokens[2]
+    cut = client.chat.completions.create(
+        messages=messages, extra_body={"ignore_eos": True, "stop_token_ids": [stop]}, **common
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens == ref.tokens.index(stop) + 1
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": messages, "stop_token_ids": [10**7], **common},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
 
 
 def test_raw_stream_ends_with_done(server: Server) -> None:

@@ -60,8 +60,10 @@ class GenerationConfig:
       distribution with that many likeliest alternatives (0..20;
       :mod:`dart_client.decoding.logprobs`): ``GenerationResult.logprobs``;
     - ``ignore_eos``: generate past end-of-sequence tokens (as vLLM's ``ignore_eos``: fixed
-      output lengths for benchmarks); only ``max_new_tokens``, ``max_length`` and stop
-      strings end the output.
+      output lengths for benchmarks); only ``max_new_tokens``, ``max_length``, stop strings
+      and ``stop_token_ids`` end the output;
+    - ``stop_token_ids``: more tokens that end the output as end-of-sequence does (kept as
+      its last token; vLLM's ``stop_token_ids``), with or without ``ignore_eos``.
     """
 
     max_new_tokens: int = 512
@@ -76,6 +78,7 @@ class GenerationConfig:
     static: bool | str = "auto"
     logprobs: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -89,6 +92,7 @@ class GenerationConfig:
             parse_prompt_lookup(self.prompt_lookup)
         object.__setattr__(self, "static", parse_static(self.static))
         object.__setattr__(self, "logprobs", check_logprobs(self.logprobs))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidTypeError(
                 f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
@@ -212,6 +216,16 @@ def _normalise_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if any(not s for s in stop):
         raise InvalidArgumentError("stop strings must be non-empty")
     return tuple(stop)
+
+
+def _token_ids(ids: Any) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple of ints >= 0 (the vocabulary bound is the target's,
+    checked where it is known)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InvalidTypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    for t in ids:
+        _check_int("a stop token id", t, minimum=0)
+    return tuple(int(t) for t in ids)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

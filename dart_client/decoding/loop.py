@@ -330,6 +330,12 @@ def new_run(
     if stops and model.tokenizer is None:
         raise InvalidArgumentError("stop strings need a tokenizer to decode the output")
     ids = model.encode_input(prompt=prompt, messages=messages, input_ids=input_ids)
+    outside = [t for t in config.stop_token_ids if t >= model.target.vocab_size]
+    if outside:
+        raise InvalidArgumentError(
+            f"stop_token_ids {outside}: outside the target's vocabulary of "
+            f"{model.target.vocab_size} tokens"
+        )
     if not ids:
         raise EmptyPromptError("the prompt is empty: at least one token is needed")
     # The target's position limit caps max_length (positions past it are out of distribution).
@@ -369,6 +375,7 @@ def new_run(
         static,
         config.logprobs,
         config.ignore_eos,
+        config.stop_token_ids,
     )
 
 
@@ -392,6 +399,7 @@ class _Run:
         static: bool = False,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -425,10 +433,9 @@ class _Run:
         # Alternatives per token when log probabilities are reported, and theirs so far.
         self.logprobs_top = logprobs
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
-        # The tokens that end the output (none: generate past them).
-        self.eos: frozenset[int] = (
-            frozenset() if ignore_eos else frozenset(self.target.eos_token_ids)
-        )
+        # The tokens that end the output: end-of-sequence (unless ignored) and the stop ids.
+        eos = () if ignore_eos else self.target.eos_token_ids
+        self.eos: frozenset[int] = frozenset(eos) | frozenset(stop_token_ids)
 
     def _clock(self) -> float:
         if self.sync:

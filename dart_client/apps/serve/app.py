@@ -137,6 +137,11 @@ def create_app(
         """Queue the request's choices and answer (``echo``: the prompt's text, which the
         completion text then starts with)."""
         sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
+        if sampling.stop_token_ids:
+            try:
+                engine.check_ids(list(sampling.stop_token_ids))
+            except DartError as err:
+                raise bad_request(f"stop_token_ids: {err}", "stop_token_ids") from None
         if req.n > scheduler.max_queue:
             raise bad_request(
                 f"n is {req.n}, but this server queues at most {scheduler.max_queue} "

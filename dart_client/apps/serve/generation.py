@@ -34,6 +34,7 @@ class Sampling:
     #: None, or score the prompt's tokens first, with that many alternatives (``echo``).
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -149,6 +150,7 @@ class Engine:
             static=self.static,
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
+            stop_token_ids=sampling.stop_token_ids,
         )
         return self.model.resolve_config(config, self.mode(sampling), batch)
 

@@ -73,8 +73,10 @@ class _Common(BaseModel):
     # DART's own options.
     tree_budget: StrictInt | None = Field(default=None, ge=0)
     speculative: StrictBool = True
-    # vLLM's: generate past end-of-sequence tokens (benchmarks fix output lengths so).
+    # vLLM's: generate past end-of-sequence tokens (benchmarks fix output lengths so), and
+    # more tokens that end the output as end-of-sequence does.
     ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
 
 
 class ChatRequest(_Common):
@@ -170,6 +172,7 @@ def sampling_of(
         speculative=req.speculative and speculative,
         logprobs=logprobs_of(req),
         ignore_eos=req.ignore_eos,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
         prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
 
