@@ -425,12 +425,17 @@ def test_n_choices_are_generations_of_their_own(
         assert streamed == texts
 
 
-def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server: Server, reference: Any) -> None:
+@pytest.mark.parametrize("kind", ["main", "batched"])
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
+    kind: str, request: pytest.FixtureRequest, reference: Any
+) -> None:
     """``echo`` with ``logprobs`` and one new token (lm-evaluation-harness's loglikelihood
-    request): the prompt comes back first, its tokens scored by the target (the first one
-    unscored), checked against one plain transformers forward; streamed the same."""
+    request) or none: the prompt comes back first, its tokens scored by the target (the first
+    one unscored), checked against one plain transformers forward; streamed the same; one at
+    a time and batched."""
     import torch
 
+    server = request.getfixturevalue("server" if kind == "main" else "batched")
     client = server.client()
     prompt = "The capital of France is Paris. The capital of Italy is"
     ids = reference.encode_input(prompt=prompt)
@@ -460,6 +465,15 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server: Server, refe
     plain = client.completions.create(prompt=ids, echo=True, **common)
     assert plain.choices[0].text == reference.tokenizer.decode(ids) + ref.text
     assert plain.choices[0].logprobs is None
+    # max_tokens 0 (scoring tools send it): the prompt scored, nothing generated.
+    scored = client.completions.create(
+        prompt=prompt, echo=True, logprobs=1, **{**common, "max_tokens": 0}
+    )
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(prompt=prompt, **{**common, "max_tokens": 0})
 
 
 def test_ignore_eos_generates_to_max_tokens(server: Server, reference: Any) -> None:

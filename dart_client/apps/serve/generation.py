@@ -116,6 +116,12 @@ class Engine:
 
         return PromptScores(prompt_logprobs(self.model.target, ids, top))
 
+    def no_completion(self, sampling: Sampling) -> Outcome:
+        """The outcome of a request for no new token (``max_tokens: 0`` with ``echo``: the
+        prompt scored, nothing generated)."""
+        logprobs = None if sampling.logprobs is None else []
+        return Outcome("", 0, "length", self.mode(sampling), 0.0, 0, logprobs)
+
     def token_piece(self, token: int) -> tuple[str, list[int]]:
         """A token's text and bytes as OpenAI's ``logprobs`` show them: the token's own bytes
         (byte-level BPE and SentencePiece byte tokens map back exactly; a token that is part

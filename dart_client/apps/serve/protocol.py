@@ -61,7 +61,8 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # 0 only with ``echo`` (completions): the prompt scored, no new token.
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)
@@ -152,6 +153,10 @@ def sampling_of(
     name = "max_tokens"
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+        raise bad_request(
+            f"{name} must be >= 1 (0 only with echo, to score the prompt)", name, "invalid_value"
+        )
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:

@@ -220,7 +220,8 @@ class Scheduler:
         first = True
         events = self.engine.generate(job.ids, job.sampling)
         try:
-            self._score_prompt(job)
+            if self._score_prompt(job):
+                return
             for event in events:
                 if isinstance(event, Outcome):
                     self.observer.outcome(job, event)
@@ -241,11 +242,18 @@ class Scheduler:
             if close is not None:
                 close()
 
-    def _score_prompt(self, job: Job) -> None:
-        """Send the prompt's log probabilities first when the job asks for them (``echo``)."""
+    def _score_prompt(self, job: Job) -> bool:
+        """Send the prompt's log probabilities first when the job asks for them (``echo``);
+        True when that was all it asked (no new token: the job has ended)."""
         top = job.sampling.prompt_logprobs
         if top is not None:
             job._send(self.engine.prompt_scores(job.ids, top))
+        if job.sampling.max_new_tokens > 0:
+            return False
+        outcome = self.engine.no_completion(job.sampling)
+        self.observer.outcome(job, outcome)
+        job._send(outcome)
+        return True
 
     def _abandon(self, job: Job, reason: JobError) -> None:
         self.observer.abandoned(job, reason.code or reason.type)
@@ -283,7 +291,8 @@ class Scheduler:
                 mode = engine.mode(job.sampling)
                 try:
                     # Before it joins: the batch waits for this one forward, as for a prefill.
-                    self._score_prompt(job)
+                    if self._score_prompt(job):
+                        continue
                     config = engine.config(job.ids, job.sampling, self.max_batch)
                     if mode not in generators:
                         generators[mode] = engine.batch_generator(mode, self.max_batch)
