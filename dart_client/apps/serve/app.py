@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -46,6 +47,14 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 #: How often a waiting request checks that its client is still there.
 POLL_SECONDS = 0.25
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids and, with ``echo``, its text."""
+
+    ids: list[int]
+    echo: str | None = None
 
 
 def create_app(
@@ -106,61 +115,66 @@ def create_app(
             raise bad_request("this model has no chat template: use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = engine.encode_chat(messages)
-        return await run(req, ids, request, chat=True)
+        return await run(req, [Prompt(ids)], request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         check_request(req, engine.model_id)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise bad_request("one prompt per request (n = 1)", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = engine.encode_text(prompt)
+        given = req.prompt
+        # One prompt (text or ids) or a batch of them (texts or id lists), as OpenAI's API.
+        if isinstance(given, list) and given and isinstance(given[0], (str, list)):
+            batch = list(given)
         else:
-            if not prompt:
-                raise bad_request("the prompt is empty", "prompt")
-            ids = engine.check_ids([int(x) for x in prompt])
-        echo = None
-        if req.echo:
-            echo = prompt if isinstance(prompt, str) else engine.decode(ids)
-        return await run(req, ids, request, chat=False, echo=echo)
+            batch = [given]
+        prompts = []
+        for prompt in batch:
+            if isinstance(prompt, str):
+                ids = engine.encode_text(prompt)
+            else:
+                if not prompt:
+                    raise bad_request("the prompt is empty", "prompt")
+                ids = engine.check_ids([int(x) for x in prompt])
+            echo = None
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else engine.decode(ids)
+            prompts.append(Prompt(ids, echo))
+        return await run(req, prompts, request, chat=False)
 
     async def run(
-        req: ChatRequest | CompletionRequest,
-        ids: list[int],
-        request: Request,
-        chat: bool,
-        echo: str | None = None,
+        req: ChatRequest | CompletionRequest, prompts: list[Prompt], request: Request, chat: bool
     ) -> Response:
-        """Queue the request's choices and answer (``echo``: the prompt's text, which the
-        completion text then starts with)."""
-        sampling = sampling_of(req, len(ids), engine.max_model_len, engine.speculative)
-        if sampling.stop_token_ids:
+        """Queue the request's generations (``n`` choices of each prompt; choice ``i`` is
+        prompt ``i // n``'s) and answer."""
+        n = req.n
+        samplings = [
+            sampling_of(req, len(p.ids), engine.max_model_len, engine.speculative) for p in prompts
+        ]
+        if samplings[0].stop_token_ids:
             try:
-                engine.check_ids(list(sampling.stop_token_ids))
+                engine.check_ids(list(samplings[0].stop_token_ids))
             except DartError as err:
                 raise bad_request(f"stop_token_ids: {err}", "stop_token_ids") from None
-        if req.n > scheduler.max_queue:
+        if n * len(prompts) > scheduler.max_queue:
             raise bad_request(
-                f"n is {req.n}, but this server queues at most {scheduler.max_queue} "
-                "generations (--max-queue)",
-                "n",
+                f"{len(prompts)} prompt(s) x n = {n} generations, but this server queues at "
+                f"most {scheduler.max_queue} (--max-queue)",
+                "n" if len(prompts) == 1 else "prompt",
             )
         # One job per choice, queued together: they decode side by side when batching.
-        jobs = scheduler.submit_all(ids, choices_of(sampling, req.n))
-        reply = Reply(chat, engine.model_id, len(ids), engine.token_piece)
+        jobs = scheduler.submit_all(
+            [(p.ids, c) for p, s in zip(prompts, samplings, strict=True) for c in choices_of(s, n)]
+        )
+        reply = Reply(chat, engine.model_id, sum(len(p.ids) for p in prompts), engine.token_piece)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(jobs, reply, usage, ids, echo),
+                stream(jobs, reply, usage, prompts, n),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         merged, pumps = merge(jobs)
         outcomes: dict[int, Outcome] = {}
-        scores: PromptScores | None = None
+        scores: dict[int, PromptScores] = {}  # by prompt
         checked = time.monotonic()
         try:
             while len(outcomes) < len(jobs):
@@ -171,7 +185,7 @@ def create_app(
                 if isinstance(message, JobError):
                     return error_response(message)
                 if isinstance(message, PromptScores):
-                    scores = message
+                    scores[index // n] = message
                 if isinstance(message, Outcome):
                     outcomes[index] = message
                 # Look at the connection every POLL_SECONDS, steps coming or not.
@@ -179,16 +193,17 @@ def create_app(
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         return Response(status_code=499)
-            echoed = None
-            if echo is not None:
-                prompt_logprobs = None
-                if scores is not None:
-                    done = scores
 
-                    def prompt_logprobs(index: int) -> Any:
-                        return reply.echo_logprobs(ids, done.logprobs, index)
+            def echoed(index: int) -> tuple[str, dict[str, Any] | None] | None:
+                prompt = prompts[index // n]
+                if prompt.echo is None:
+                    return None
+                got = scores.get(index // n)
+                logprobs = None
+                if got is not None:
+                    logprobs = reply.echo_logprobs(prompt.ids, got.logprobs, index)
+                return prompt.echo, logprobs
 
-                echoed = (echo, prompt_logprobs)
             return JSONResponse(reply.full([outcomes[i] for i in range(len(jobs))], echoed))
         finally:
             end(jobs, pumps)  # a no-op for jobs that have ended
@@ -226,7 +241,7 @@ def create_app(
             return timeout_error(scheduler.timeout)
 
     async def stream(
-        jobs: list[Job], reply: Reply, include_usage: bool, ids: list[int], echo: str | None
+        jobs: list[Job], reply: Reply, include_usage: bool, prompts: list[Prompt], n: int
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects: `finally` then tells
         # the worker, which drops the jobs at their next step.
@@ -236,24 +251,27 @@ def create_app(
                 for index in range(len(jobs)):
                     yield sse(reply.chunk("", first=True, index=index))
 
-            def echoed(scores: PromptScores | None) -> Iterator[str]:
-                """Each choice's first chunk: the echoed prompt (scored when asked)."""
-                assert echo is not None
-                for index in range(len(jobs)):
-                    chunk = reply.chunk(echo, index=index)
+            def echoed(p: int, scores: PromptScores | None) -> Iterator[str]:
+                """The first chunk of each choice of prompt ``p``: the echoed prompt (scored
+                when asked)."""
+                prompt = prompts[p]
+                assert prompt.echo is not None
+                for index in range(p * n, p * n + n):
+                    chunk = reply.chunk(prompt.echo, index=index)
                     if scores is not None:
-                        logprobs = reply.echo_logprobs(ids, scores.logprobs, index)
+                        logprobs = reply.echo_logprobs(prompt.ids, scores.logprobs, index)
                         chunk["choices"][0]["logprobs"] = logprobs
                     yield sse(chunk)
 
-            if echo is not None and jobs[0].sampling.prompt_logprobs is None:
-                for chunk in echoed(None):
-                    yield chunk
+            for p, prompt in enumerate(prompts):
+                if prompt.echo is not None and jobs[p * n].sampling.prompt_logprobs is None:
+                    for chunk in echoed(p, None):
+                        yield chunk
             outcomes: dict[int, Outcome] = {}
             while len(outcomes) < len(jobs):
                 index, message = await merged.get()
                 if isinstance(message, PromptScores):
-                    for chunk in echoed(message):
+                    for chunk in echoed(index // n, message):
                         yield chunk
                     continue
                 if isinstance(message, JobError):

@@ -88,7 +88,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     #: The prompt comes back before the completion (with ``logprobs``: scored, its first
     #: token unscored), as evaluation harnesses ask to score a continuation.
@@ -308,18 +308,22 @@ class Reply:
         return rest
 
     def full(
-        self, outcomes: Sequence[Outcome], echo: tuple[str, Any] | None = None
+        self,
+        outcomes: Sequence[Outcome],
+        echo: Callable[[int], tuple[str, dict[str, Any] | None] | None] | None = None,
     ) -> dict[str, Any]:
-        """The response: one choice per outcome (a request's ``n``), in order; ``echo``: the
-        prompt's text and its :meth:`echo_logprobs` (None without logprobs) to put first."""
+        """The response: one choice per outcome (a request's prompts and ``n``), in order;
+        ``echo(index)``: that choice's echoed prompt text and its :meth:`echo_logprobs` (None
+        without logprobs) to put first, or None."""
         choices = []
         for index, outcome in enumerate(outcomes):
             choice: dict[str, Any] = {"index": index, "finish_reason": outcome.finish_reason}
+            echoed = None if echo is None else echo(index)
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": outcome.text}
             else:
-                choice["text"] = outcome.text if echo is None else echo[0] + outcome.text
-            prompt = None if echo is None or echo[1] is None else echo[1](index)
+                choice["text"] = outcome.text if echoed is None else echoed[0] + outcome.text
+            prompt = None if echoed is None else echoed[1]
             logprobs = self.logprobs(outcome.logprobs, index)
             if prompt is not None and logprobs is not None:
                 logprobs = {k: prompt[k] + logprobs[k] for k in logprobs}

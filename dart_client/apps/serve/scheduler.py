@@ -134,15 +134,15 @@ class Scheduler:
     # -- the HTTP side ----------------------------------------------------------------------
 
     def submit(self, ids: list[int], sampling: Sampling) -> Job:
-        (job,) = self.submit_all(ids, [sampling])
+        (job,) = self.submit_all([(ids, sampling)])
         return job
 
-    def submit_all(self, ids: list[int], samplings: list[Sampling]) -> list[Job]:
-        """One job per sampling (a request's ``n`` choices), queued together or not at all
-        (:class:`QueueFull` when the queue has no room for all of them)."""
+    def submit_all(self, generations: list[tuple[list[int], Sampling]]) -> list[Job]:
+        """One job per (prompt ids, sampling): a request's prompts and ``n`` choices, queued
+        together or not at all (:class:`QueueFull` when the queue has no room for all)."""
         deadline = time.monotonic() + self.timeout
         loop = asyncio.get_running_loop()
-        jobs = [Job(ids, sampling, deadline, loop) for sampling in samplings]
+        jobs = [Job(ids, sampling, deadline, loop) for ids, sampling in generations]
         with self._cond:
             if self._closing:
                 raise ShuttingDown()
