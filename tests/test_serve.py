@@ -537,6 +537,33 @@ def test_a_batch_of_prompts_in_one_completions_request(
     assert texts == [r.text for r in refs]
 
 
+def test_the_serving_benchmark_measures_what_the_server_answers(
+    server: Server, reference: Any
+) -> None:
+    """``python -m dart_client.apps.serve.bench``'s load and report against this server:
+    the texts are the greedy ones, the counts add up, and ``--ignore-eos`` fixes every
+    output at ``max_tokens``."""
+    import asyncio
+
+    from dart_client.apps.serve import bench
+
+    model = "dart-smollm2-135m-instruct"
+    items = QUESTIONS[:3]
+    for ignore_eos in (False, True):
+        samples, wall = asyncio.run(
+            bench.load(server.url, API_KEY, model, items, 12, 2, True, ignore_eos)
+        )
+        report = bench.summary(samples, wall)
+        assert report["requests"] == 3 and report["output_tokens"] == sum(s.tokens for s in samples)
+        assert 0 < report["ttft_p50_s"] <= wall and report["mean_tau"] >= 1.0
+        for question, sample in zip(items, samples, strict=True):
+            ref = greedy(reference, 12, messages=chat_messages(question))
+            if ignore_eos:
+                assert sample.tokens == 12 and sample.text.startswith(ref.text)
+            else:
+                assert sample.text == ref.text and sample.tokens == len(ref.tokens)
+
+
 def test_raw_stream_ends_with_done(server: Server) -> None:
     body = {
         "model": "dart-smollm2-135m-instruct",

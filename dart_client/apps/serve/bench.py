@@ -59,7 +59,12 @@ def prompts(count: int, max_chars: int) -> list[str]:
 
 
 async def one(
-    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, speculative: bool
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    speculative: bool,
+    ignore_eos: bool = False,
 ) -> Sample:
     body = {
         "model": model,
@@ -69,6 +74,7 @@ async def one(
         "stream": True,
         "stream_options": {"include_usage": True},
         "speculative": speculative,
+        "ignore_eos": ignore_eos,
     }
     start = time.perf_counter()
     ttft = None
@@ -108,6 +114,7 @@ async def load(
     max_tokens: int,
     concurrency: int,
     speculative: bool,
+    ignore_eos: bool = False,
 ) -> tuple[list[Sample], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency)
@@ -122,7 +129,7 @@ async def load(
         async def worker() -> None:
             while not queue.empty():
                 i, prompt = queue.get_nowait()
-                results[i] = await one(client, model, prompt, max_tokens, speculative)
+                results[i] = await one(client, model, prompt, max_tokens, speculative, ignore_eos)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -222,6 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-chars", type=int, default=600)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request generates --max-tokens (through end-of-turn), as vLLM's serving "
+        "benchmark fixes output lengths",
+    )
     p.add_argument("--out", type=Path, help="write the report here (JSON)")
     args = p.parse_args(argv)
     if min(args.requests, args.concurrency, args.max_tokens) < 1:
@@ -239,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "requests": args.requests,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
             "workload": "held-out ShareGPT first turns, chat, greedy, streamed",
         }
         texts = {}
@@ -255,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.max_tokens,
                     args.concurrency,
                     speculative,
+                    args.ignore_eos,
                 )
             )
             report[name] = summary(samples, wall)
