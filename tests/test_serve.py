@@ -220,6 +220,38 @@ def test_models_health_and_api_key(server: Server) -> None:
     assert "dart_serve_requests_total" in httpx.get(server.url + "/metrics").text
 
 
+def test_an_idle_connection_stays_open_past_uvicorns_five_seconds(server: Server) -> None:
+    """``--keep-alive`` (75 s): a client that waits longer than uvicorn's default 5 s between
+    requests (queued clients of a busy server do) reuses its connection; with the default the
+    server closed it, and a request sent as it closed failed with "server disconnected"."""
+    host, port = server.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    def response(conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < length(data):
+            chunk = conn.recv(4096)
+            if not chunk:
+                return data  # the server closed the connection
+            data += chunk
+        return data
+
+    def length(data: bytes) -> int:
+        head = data.partition(b"\r\n\r\n")[0].lower()
+        return (
+            int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            if b"content-length:" in head
+            else 0
+        )
+
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(request)
+            reply = response(conn)
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"}"), reply
+            time.sleep(6)
+
+
 @pytest.mark.parametrize("speculative", [True, False])
 def test_chat_equals_the_greedy_output_streamed_and_not(
     server: Server, reference: Any, speculative: bool

@@ -47,6 +47,10 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 #: How often a waiting request checks that its client is still there.
 POLL_SECONDS = 0.25
+#: ``--keep-alive``'s default. uvicorn's own (5 s) closes a pooled connection while clients
+#: that queue behind a busy server wait longer than that between requests: a request sent
+#: on it as it closes fails with "server disconnected" (a client without retries sees it).
+KEEP_ALIVE_SECONDS = 75.0
 
 
 @dataclass
@@ -375,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request may take, waiting included, before a 504 (default 600)",
     )
     g.add_argument(
+        "--keep-alive",
+        type=float,
+        default=KEEP_ALIVE_SECONDS,
+        help="seconds an idle client connection stays open (default "
+        f"{KEEP_ALIVE_SECONDS:g}): longer than a client's gaps between requests, so it does not "
+        "reuse a connection the server is closing",
+    )
+    g.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -400,8 +412,8 @@ def serve_main(argv: Sequence[str]) -> int:
     ):
         if value < minimum:
             raise DartError(f"{flag} must be >= {minimum}, got {value}")
-    if args.timeout <= 0 or args.shutdown_grace < 0:
-        raise DartError("--timeout must be > 0 and --shutdown-grace >= 0")
+    if args.timeout <= 0 or args.shutdown_grace < 0 or args.keep_alive <= 0:
+        raise DartError("--timeout and --keep-alive must be > 0, --shutdown-grace >= 0")
     if args.threads:
         import torch  # after parsing: `dart serve --help` answers without it
 
@@ -422,6 +434,7 @@ def serve_main(argv: Sequence[str]) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=args.keep_alive,
     )
     server = _Server(config, scheduler, args.shutdown_grace)
     print(
