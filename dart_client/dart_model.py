@@ -209,7 +209,7 @@ class DartModel:
         model, tokenizer = load_target(
             base_model_name_or_path, dtype=torch_dtype, device_map=device_map, **hf_kwargs
         )
-        # A DART head, or an EAGLE-3 draft model (its config says which).
+        # A DART head, or an EAGLE-3 draft model (its weights say which).
         drafter = load_drafter(
             dart_model_name_or_path,
             model.config,

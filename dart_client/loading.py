@@ -255,8 +255,8 @@ def load_drafter(
     notes: list[str] | None = None,
 ) -> Any:
     """The draft model at ``spec``: an :class:`~dart_client.models.eagle3.Eagle3Head` when its
-    ``config.json`` names an EAGLE-3 architecture (as published EAGLE-3 checkpoints do), else a
-    DART head as :func:`load_head` loads it (``"auto"``, ``"random"`` and None included)."""
+    weights say so (:func:`~dart_client.models.head.is_eagle3_checkpoint`), else a DART head as
+    :func:`load_head` loads it (``"auto"``, ``"random"`` and None included)."""
     if is_eagle3_spec(spec):
         if double_final_norm is not None:
             raise InvalidArgumentError(

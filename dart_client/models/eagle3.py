@@ -24,6 +24,7 @@ from torch import nn
 
 from dart_client.errors import IncompatibleHeadError
 from dart_client.models.head import (
+    BIN_WEIGHTS_NAME,
     CHECKPOINT_KEYS,
     WEIGHTS_NAME,
     DartHead,
@@ -39,7 +40,6 @@ from dart_client.models.linear import project
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: The published EAGLE-3 keys: the DART layout without the MASK representation.
 EAGLE3_KEYS = tuple(k for k in CHECKPOINT_KEYS if k != "midlayer.mask_rep")
-BIN_WEIGHTS_NAME = "pytorch_model.bin"
 #: Training-time-test unroll of the published training (``length = 7``).
 DEFAULT_TTT_STEPS = 7
 

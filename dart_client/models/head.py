@@ -50,6 +50,8 @@ from dart_client.models.target import RaggedRows, compact_rows, copy_row
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+#: The other weights file published EAGLE-3 checkpoints come as (DART heads never do).
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
 
 #: Keys the published checkpoints carry (``embed_tokens.weight`` may also appear: ignored,
 #: the target's embedding is used).
@@ -963,8 +965,8 @@ def is_eagle3_checkpoint(path: str | Path, **hub_kwargs: Any) -> bool:
     (DART's code grew from EAGLE-3's), so the weights decide: a DART head has the MASK
     embedding (:data:`MASK_KEY`, read from the safetensors header alone); a checkpoint with
     only ``pytorch_model.bin`` is EAGLE-3's (DART heads are published as safetensors)."""
-    bin_weights = "pytorch_model.bin"  # EAGLE-3's other format
-    directory = _resolve_head_dir(path, (CONFIG_NAME, WEIGHTS_NAME, bin_weights), **hub_kwargs)
+    files = (CONFIG_NAME, WEIGHTS_NAME, BIN_WEIGHTS_NAME)
+    directory = _resolve_head_dir(path, files, **hub_kwargs)
     weights = directory / WEIGHTS_NAME
     if weights.is_file():
         try:
@@ -974,7 +976,7 @@ def is_eagle3_checkpoint(path: str | Path, **hub_kwargs: Any) -> bool:
                 return MASK_KEY not in set(f.keys())
         except Exception:  # a corrupt file: loading it as a DART head names the problem
             return False
-    return (directory / bin_weights).is_file()
+    return (directory / BIN_WEIGHTS_NAME).is_file()
 
 
 def _resolve_head_dir(path: str | Path, files: tuple[str, ...], **hub_kwargs: Any) -> Path:

@@ -220,17 +220,11 @@ _BYTE_DECODER: dict[str, int] = {}
 
 
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
-    themselves, the others for the characters from U+0100 on, in byte order."""
+    """GPT-2's byte-level BPE alphabet reversed, character -> byte (transformers' table)."""
     if not _BYTE_DECODER:
-        printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-        shifted = 0
-        for b in range(256):
-            if b in printable:
-                _BYTE_DECODER[chr(b)] = b
-            else:
-                _BYTE_DECODER[chr(256 + shifted)] = b
-                shifted += 1
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        _BYTE_DECODER.update({c: b for b, c in bytes_to_unicode().items()})
     return _BYTE_DECODER
 
 
