@@ -211,7 +211,9 @@ def test_static_batches_keep_their_caches_and_programs_for_the_next(
     the same ones, also after a batch dropped in the middle of its run."""
     dm = DartModel(target, head, tree_builder=None)
     prompts = random_prompts(3, seed=41)
-    truths = [p + alone(dm, p, "ar", max_new_tokens=16) for p in prompts]
+    # Dynamic (cuda's default is static): the lone static cache then holds only the batch's
+    # prefill programs.
+    truths = [p + alone(dm, p, "ar", max_new_tokens=16, static=False) for p in prompts]
     dm.tree_builder = Truths(truths, seed=4)
     want = [t[len(p) :] for p, t in zip(prompts, truths, strict=True)]
     config = {"max_new_tokens": 16, "tree_budget": 6, "max_length": 64}

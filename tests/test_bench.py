@@ -408,7 +408,28 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
     assert all(r > 0 for r in rates.values())
     # float64: the batched greedy outputs equal each prompt decoded alone.
     assert summary["identical_to_alone"] == {"ar-x2": "4/4", "dart-x2": "4/4"}
+    assert summary["greedy_divergences"] == {"ar-x2": [], "dart-x2": []}
     tuning = summary["batch_budget_tuning"]
     assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
     assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"
     assert summary["continuous"] and len(json.loads(out.read_text())["groups"]) == 1
+
+
+def test_the_batched_benchmark_weighs_each_divergence_against_the_targets_margin(
+    tiny_model: DartModel,
+) -> None:
+    """A batched output that leaves the lone one is reported with the target's top-2 margin
+    where it does: in float64 a changed token is no near-tie (a bug, not rounding)."""
+    from types import SimpleNamespace
+
+    from dart_client.apps.bench.batched import divergences
+
+    prompt = [5, 9, 17, 5, 9]
+    want = tiny_model.generate(input_ids=prompt, max_new_tokens=6).tokens
+    changed = [*want[:3], (want[3] + 1) % 300 + 3, *want[4:]]
+    alone = [SimpleNamespace(tokens=want)] * 2
+    batched = [SimpleNamespace(tokens=want), SimpleNamespace(tokens=changed)]
+    same, found = divergences(tiny_model.target.model, [prompt, prompt], alone, batched)
+    assert same == 1 and len(found) == 1
+    (d,) = found
+    assert d["token"] == 3 and not d["near_tie"] and d["margin"] > d["threshold"]

@@ -79,14 +79,17 @@ CHECK = textwrap.dedent(
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
     assert not calls
-    # The tree attention kernel against the same attention in float32 (strided K/V views of
-    # a longer cache, per-row and shared masks, query heads grouped over K/V heads).
+    # The tree attention kernel against exact attention (float64; strided K/V views of a
+    # longer cache, per-row and shared masks, query heads grouped over K/V heads): float32
+    # within 1e-5; bf16 as close as the exact result rounded once (float32 math inside,
+    # rounded to nearest: a truncating store doubles the mean error).
     def reference(q, k, v, mask):
         g = q.shape[1] // k.shape[1]
-        kk, vv = (t.repeat_interleave(g, 1).float() for t in (k, v))
-        s = q.float() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask[..., : k.shape[2]].float()
+        kk, vv = (t.repeat_interleave(g, 1).double() for t in (k, v))
+        s = q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+        s = s + mask[..., : k.shape[2]].double()
         return (s.softmax(-1) @ vv).transpose(1, 2)
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    for dtype in (torch.float32, torch.bfloat16):
         for b, h, kv, n, length, d in ((1, 9, 3, 1, 37, 64), (2, 9, 3, 5, 300, 64),
                                        (1, 4, 2, 64, 130, 16), (1, 32, 8, 3, 70, 128)):
             k = torch.randn(b, kv, length + 40, d, device=device).to(dtype)[:, :, :length]
@@ -96,8 +99,14 @@ CHECK = textwrap.dedent(
             mask.masked_fill_(torch.rand(mask.shape, device=device) < 0.3, torch.finfo(dtype).min)
             mask[..., 0] = 0
             mask = mask.to(dtype)
-            got = gk.tree_attention(q, k, v, mask).float()
-            assert (got - reference(q, k, v, mask)).abs().max() < tolerance, (dtype, b, h, n)
+            exact = reference(q, k, v, mask)
+            error = (gk.tree_attention(q, k, v, mask).double() - exact).abs()
+            what = (dtype, b, h, n)
+            if dtype == torch.float32:
+                assert error.max() < 1e-5, what
+            else:
+                rounding = (exact.to(dtype).double() - exact).abs()
+                assert error.mean() <= 1.1 * rounding.mean(), (what, error.mean(), rounding.mean())
     if device == "cuda":
         os.environ["DART_GPU_KERNELS"] = "triton"
         target = TargetModel(model)
@@ -139,6 +148,11 @@ def run_check(device: str, interpret: bool) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
+@pytest.mark.skipif(
+    TEST_DEVICE == "cuda",
+    reason="the GPU runs the kernels themselves (and the GPU machine's Triton interpreter "
+    "fails on a loop over a runtime bound under its NumPy)",
+)
 def test_the_kernels_compute_transformers_values_in_the_interpreter() -> None:
     run_check("cpu", interpret=True)
 
@@ -161,11 +175,11 @@ def test_the_switch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("DART_GPU_KERNELS", "trition")
     with pytest.raises(InvalidArgumentError, match="DART_GPU_KERNELS = 'trition'"):
         gpu_kernels.requested()
-    # The tree attention kernel: experimental, off unless asked for.
+    # The tree attention kernel: on by default, PyTorch's SDPA when asked for.
     monkeypatch.delenv("DART_GPU_ATTENTION", raising=False)
-    assert not gpu_kernels.attention_requested()
-    monkeypatch.setenv("DART_GPU_ATTENTION", "Triton")
     assert gpu_kernels.attention_requested()
+    monkeypatch.setenv("DART_GPU_ATTENTION", "Torch")
+    assert not gpu_kernels.attention_requested()
     monkeypatch.setenv("DART_GPU_ATTENTION", "flash")
     with pytest.raises(InvalidArgumentError, match="DART_GPU_ATTENTION = 'flash'"):
         gpu_kernels.attention_requested()

@@ -37,7 +37,7 @@ def teacher_forced(
 ) -> list[TokenLogprob]:
     """The reference: one plain transformers forward over prompt + tokens (float64), the
     log-softmax at the position before each token."""
-    ids = torch.tensor([[*prompt, *tokens]], dtype=torch.long)
+    ids = torch.tensor([[*prompt, *tokens]], dtype=torch.long, device=target.device)
     with torch.no_grad():
         logits = target(ids).logits[0]
     rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]

@@ -172,10 +172,14 @@ def test_the_prompt_prefills_in_chunks_and_eagerly_where_a_bucket_has_no_room(ti
         cache = target.new_cache(1024)
         static = StaticVerifier(target, cache, 8, graphs=False, head=head, top_k=5)
         static.prefill(prompt)
+        device = target.device
         want_taps = target.forward(
-            torch.tensor([prompt]), torch.arange(length)[None], target.new_cache(1024), taps=True
+            torch.tensor([prompt], device=device),
+            torch.arange(length, device=device)[None],
+            target.new_cache(1024),
+            taps=True,
         )[1]
-        after = torch.tensor([[*prompt[1:], 77]])
+        after = torch.tensor([[*prompt[1:], 77]], device=device)
         want = draft_rows(head, head.new_cache(length + 8), want_taps, after, 5)
         got = static.first_draft(77)
         np.testing.assert_allclose(got.probs, want.probs, rtol=1e-6, atol=1e-7)

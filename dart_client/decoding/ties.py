@@ -54,6 +54,15 @@ class Divergence:
     def near_tie(self) -> bool:
         return self.margin <= self.threshold
 
+    def to_dict(self) -> dict[str, Any]:
+        """The record benchmarks write (``token`` is the index)."""
+        return {
+            "token": self.index,
+            "margin": self.margin,
+            "threshold": self.threshold,
+            "near_tie": self.near_tie,
+        }
+
 
 def divergence(
     model: Any,

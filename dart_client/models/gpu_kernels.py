@@ -1,4 +1,4 @@
-"""A decoder layer's element-wise parts on cuda as single Triton kernels (experimental).
+"""A decoder layer's element-wise parts and its decoding attention on cuda as Triton kernels.
 
 On a GPU a small model's decoding step is mostly tiny kernels: transformers' RMS norm is
 about 8 of them (casts, square, mean, add, rsqrt, two products), its rotary embedding about 6
@@ -138,9 +138,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attention_requested() -> bool:
-    """Whether ``DART_GPU_ATTENTION=triton`` asks for :func:`tree_attention` in cuda targets'
-    decoding (experimental, off by default: not yet measured on a GPU)."""
-    return _switch("DART_GPU_ATTENTION", default=False)
+    """Whether cuda targets attend with :func:`tree_attention`: unless ``DART_GPU_ATTENTION``
+    is ``torch`` (PyTorch's SDPA). On an H200 it took SmolLM2-135M's one-token step from 2.69
+    to 1.78 ms and its 61-node tree step from 3.00 to 2.23 ms, as close to exact attention
+    as SDPA's memory-efficient kernel (docs/gpu.md)."""
+    return _switch("DART_GPU_ATTENTION", default=True)
 
 
 def tree_attention(
@@ -169,12 +171,14 @@ def tree_attention(
     k = _kernels()
     block_m = 16 if groups * n <= 16 else 64
     grid = (b * kv, k.triton.cdiv(groups * n, block_m))
+    wide = query.dtype == torch.float32
     k._tree_attention_kernel[grid](
         query, key, value, mask, out,
         *query.stride(), *key.stride(), *value.stride(),
         mb, mh, mask.stride(2), mask.stride(3), *out.stride(),
         kv, groups, n, length, scaling if scaling is not None else d**-0.5,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=d,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if wide else "tf32", PV_PRECISION="ieee" if wide else "tf32x3",
+        CODE=_DTYPE_CODE[query.dtype],
     )  # fmt: skip
     return out

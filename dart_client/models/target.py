@@ -610,7 +610,7 @@ class TargetModel:
             and gpu_kernels.available()
             and gpu_kernels.attention_requested()
         ):
-            # DART_GPU_ATTENTION=triton: the tree attention kernel (experimental).
+            # The Triton tree attention (DART_GPU_ATTENTION=torch keeps SDPA).
             self.replaced_attention = use_small_query_attention(self.model, gpu=True)
 
     # -- properties -------------------------------------------------------------------------

@@ -82,12 +82,14 @@ def _tree_attention_kernel(
     mb, mh, mn, mk, ob, on, oh, od,
     kv_heads, groups, nodes, keys, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr, CODE: tl.constexpr,
 ):  # fmt: skip
     """One K/V head's query rows (its ``groups`` query heads x ``nodes`` queries) against
     its keys, a block of rows per program: online softmax over blocks of keys, float32.
-    Inputs are widened to float32 (``PRECISION`` "tf32" for half inputs, exact in TF32's
-    products; "ieee" for float32 inputs)."""
+    Inputs are widened to float32. ``PRECISION``: "tf32" for half inputs (their products
+    are exact in TF32), "ieee" for float32 ones. ``PV_PRECISION``: the probabilities are
+    float32, which TF32 would round to 10 bits; "tf32x3" keeps them near float32's.
+    """
     pid = tl.program_id(0)
     b = pid // kv_heads
     kv = pid % kv_heads
@@ -124,9 +126,10 @@ def _tree_attention_kernel(
             V + b * vb + kv * vh + cols[:, None] * vn + dims[None, :] * vd,
             mask=inside[:, None], other=0.0,
         ).to(tl.float32)  # fmt: skip
-        acc = acc * keep[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * keep[:, None] + tl.dot(p, v, input_precision=PV_PRECISION)
         best = new_best
-    out = acc / total[:, None]
+    # Rounded to nearest on the bits first: the interpreter's float32 cast truncates.
+    out = _round(acc / total[:, None], CODE)
     tl.store(
         OUT + b * ob + node[:, None] * on + head[:, None] * oh + dims[None, :] * od,
         out.to(OUT.dtype.element_ty), mask=live[:, None],

@@ -3,6 +3,7 @@ with SmolLM2's tokenizer and cached (rebuilt when missing)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ def corpus_jsonl(*, progress: bool = True) -> Path:
             c for c in read_sharegpt(embedded.sharegpt_json(), report) if not is_held_out(c.id)
         )
         export_text_jsonl(conversations, tokenizer, out, progress=progress)
-        print(report.summary())
+        # stderr: callers read the model's path from stdout (deploy/gpu/pack.sh).
+        print(report.summary(), file=sys.stderr)
     return out
 
 

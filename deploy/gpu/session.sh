@@ -3,7 +3,7 @@
 # its own time limit and appends to one log, so a step that fails or runs long costs only itself.
 # Results (JSON, the logs) are packed into $OUT/results.tar after every step.
 #   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
-# STEP: env static bench shapes shapes-real triton attention real profile batched eagle3 generate
+# STEP: env static precision bench shapes shapes-real triton attention attention-batched real profile batched eagle3 generate
 # (default: all, in that order).
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -29,9 +29,10 @@ step() {  # step NAME SECONDS COMMAND...
 run() {
   case $1 in
     env) step env 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-    static) step static 120 env DART_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider \
+    static) step static 150 env DART_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
         tests/test_static.py tests/test_head.py tests/test_attention.py tests/test_gpu_kernels.py \
-        tests/test_batch.py ;;
+        tests/test_batch.py tests/test_logprobs.py ;;
+    precision) step precision 60 python3 docs/bench/gpu-h200-2026-11-28c/attention_error.py ;;
     bench) step bench 280 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 8 --max-new-tokens 128 --methods ar dart \
         --no-progress --output-dir "$R/bench" ;;
@@ -41,17 +42,25 @@ run() {
         --device cuda --ngram "$NG" --json "$R/shapes-smollm2.json" ;;
     shapes-real) step shapes-embedded 90 python3 -m dart_client.apps.bench.gpu_shapes \
         --base embedded --device cuda --ngram "$NG" --batch 8 --json "$R/shapes-embedded.json" ;;
-    triton) step triton-off 90 env DART_GPU_KERNELS=torch python3 -m dart_client.apps.bench.gpu_shapes \
-        --base embedded --device cuda --json "$R/shapes-embedded-plain.json"
+    triton) step triton-off 90 env DART_GPU_KERNELS=torch DART_GPU_ATTENTION=torch \
+        python3 -m dart_client.apps.bench.gpu_shapes --base embedded --device cuda \
+        --json "$R/shapes-embedded-plain.json"
       step triton-on 120 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
         --device cuda --json "$R/shapes-embedded-triton.json" ;;
-    attention) step attention-off 90 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
-        --device cuda --json "$R/shapes-embedded-sdpa.json"
-      step attention-on 120 env DART_GPU_ATTENTION=triton python3 -m dart_client.apps.bench.gpu_shapes \
-        --base embedded --device cuda --json "$R/shapes-embedded-tree-attention.json"
-      step bench-attention 200 env DART_GPU_ATTENTION=triton python3 -m dart_client.apps.bench.cli \
+    attention) step attention-sdpa 90 env DART_GPU_ATTENTION=torch python3 -m \
+        dart_client.apps.bench.gpu_shapes --base embedded --device cuda \
+        --json "$R/shapes-embedded-sdpa.json"
+      step attention-tree 120 python3 -m dart_client.apps.bench.gpu_shapes --base embedded \
+        --device cuda --json "$R/shapes-embedded-tree-attention.json"
+      step bench-sdpa 200 env DART_GPU_ATTENTION=torch python3 -m dart_client.apps.bench.cli \
         --device cuda --ngram "$NG" --workloads humaneval "$SG" --max-prompts 8 \
-        --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-attention" ;;
+        --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-sdpa" ;;
+    attention-batched) for b in 8 32; do for a in torch triton; do
+        step "batched-$b-$a" 100 env DART_GPU_ATTENTION=$a python3 -m dart_client.apps.bench.batched \
+          --device cuda --ngram "$NG" --batch "$b" --workloads humaneval --groups 1 \
+          --max-new-tokens 64 --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN \
+          --output "$R/batched-$b-$a.json"
+      done; done ;;
     real) step real 200 env DART_TEST_DEVICE=cuda DART_TEST_NGRAM="$NG" python3 -m pytest -q -s \
         -p no:cacheprovider tests/test_real_smollm2.py -k gpu_path ;;
     profile) step profile 90 python3 -m dart_client.apps.bench.step_profile --device cuda \
@@ -69,5 +78,5 @@ run() {
     *) echo "unknown step $1"; exit 2 ;;
   esac
 }
-[ $# -gt 0 ] || set -- env static bench shapes shapes-real triton real profile batched eagle3 generate
+[ $# -gt 0 ] || set -- env static precision bench shapes shapes-real triton real profile batched eagle3 generate
 for s in "$@"; do run "$s"; done

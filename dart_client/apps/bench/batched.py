@@ -10,7 +10,9 @@ slows them alike):
 * ``dart-xN`` -- the group at once, fused DART (``DartModel.generate_batch``).
 
 A method's figure is its tokens over its seconds, summed over the groups (each group's
-median repetition). Greedy outputs of the batched runs are compared with the lone ones.
+median repetition). Greedy outputs of the batched runs are compared with the lone ones;
+where one leaves the other, the target's top-2 margin there says whether it is a numerical
+near-tie (a batch's kernels round unlike a lone sequence's in bf16) or a bug.
 ``--batch-tree-budget auto`` is ``DartModel.tune(batch=N)``: the per-row node budget whose
 fused steps are estimated fastest (the verify grows with every row's tree).
 """
@@ -111,6 +113,24 @@ def run_method(
     return _timed(lambda: model.generate_batch(prompts, batched, max_batch=max_batch))
 
 
+def divergences(
+    target: Any, prompts: Sequence[Sequence[int]], alone: Sequence[Any], batched: Sequence[Any]
+) -> tuple[int, list[dict[str, Any]]]:
+    """How many batched outputs equal the lone ones, and for each that does not, where it
+    leaves and the target's top-2 margin there (one plain forward of the transformers
+    ``target``; :class:`~dart_client.decoding.ties.Divergence`)."""
+    from dart_client.decoding.ties import divergence
+
+    same, found = 0, []
+    for prompt, want, got in zip(prompts, alone, batched, strict=True):
+        where = divergence(target, prompt, got.tokens, want.tokens)
+        if where is None:
+            same += 1
+        else:
+            found.append(where.to_dict())
+    return same, found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -178,6 +198,7 @@ def _measure(
         run_method(model, method, first, warm, batch_budget)
     totals = {m: [0, 0.0] for m in args.methods}
     identical = {m: [0, 0] for m in args.methods if m.endswith("xN")}
+    margins: dict[str, list[dict[str, Any]]] = {m: [] for m in identical}
     rows = []
     methods = list(args.methods)
     for w in workloads:
@@ -204,11 +225,10 @@ def _measure(
             alone = medians.get("dart-x1") or medians.get("ar-x1")
             for method in identical:
                 if alone is not None:
-                    same = [
-                        a.tokens == b.tokens for a, b in zip(alone, medians[method], strict=True)
-                    ]
-                    identical[method][0] += sum(same)
-                    identical[method][1] += len(same)
+                    same, found = divergences(model.target.model, group, alone, medians[method])
+                    identical[method][0] += same
+                    identical[method][1] += len(group)
+                    margins[method].extend(found)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     rate = {m: t / s if s else 0.0 for m, (t, s) in totals.items()}
@@ -219,6 +239,12 @@ def _measure(
         },
         "identical_to_alone": {
             m.replace("N", str(args.batch)): f"{a}/{n}" for m, (a, n) in identical.items()
+        },
+        # Each output that leaves the lone one: where, the target's margin, a near-tie or not.
+        "greedy_divergences": {m.replace("N", str(args.batch)): d for m, d in margins.items()},
+        "divergences_at_near_ties": {
+            m.replace("N", str(args.batch)): f"{sum(x['near_tie'] for x in d)}/{len(d)}"
+            for m, d in margins.items()
         },
         "tree_budget": config.tree_budget,
         "batch_tree_budget": batch_budget,

@@ -725,14 +725,7 @@ def summarize(results: Sequence[WorkloadRuns], settings: Settings) -> dict[str, 
                         diverge.append(index)
                     found = pr.divergences.get(name)
                     if found is not None:
-                        margins.append(
-                            {
-                                "token": found.index,
-                                "margin": found.margin,
-                                "threshold": found.threshold,
-                                "near_tie": found.near_tie,
-                            }
-                        )
+                        margins.append(found.to_dict())
                 for r in runs:
                     hist.update(r.accept_lengths[1:])
                     tree_nodes.extend(r.tree_sizes[1:])
