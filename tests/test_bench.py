@@ -379,6 +379,11 @@ def test_the_batched_benchmark_runs_from_its_command_line(
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["tokens_per_second"]) == {"ar-x1", "ar-x2", "dart-x2"}
     assert summary["identical_to_alone"] == {"ar-x2": "2/2", "dart-x2": "2/2"}
+    # Where a batched step's time went: DART drafts and prunes, AR does neither.
+    stages = summary["stage_ms_per_step"]
+    assert {"draft", "prune", "verify"} <= set(stages["dart-x2"])
+    assert "prune" not in stages["ar-x2"] and stages["ar-x2"]["verify"] > 0
+    assert all(v > 0 for v in summary["prefill_ms_per_prompt"].values())
 
 
 def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path) -> None:

@@ -131,6 +131,17 @@ def divergences(
     return same, found
 
 
+def step_stages(results: Sequence[Any]) -> tuple[dict[str, float], int, float, int]:
+    """A batched run's stage seconds over its steps: the longest row lived through every step
+    of a group decoded together, so its timings (each step's stages, charged to every live
+    row) are the batch's. Returns (stage seconds without the prefill, steps, the rows'
+    prefill seconds, rows)."""
+    longest = max(results, key=lambda r: len(r.accept_lengths))
+    stages = {k: v for k, v in longest.timings.items() if k != "prefill"}
+    prefill = sum(r.timings.get("prefill", 0.0) for r in results)
+    return stages, max(len(longest.accept_lengths) - 1, 0), prefill, len(results)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -199,6 +210,8 @@ def _measure(
     totals = {m: [0, 0.0] for m in args.methods}
     identical = {m: [0, 0] for m in args.methods if m.endswith("xN")}
     margins: dict[str, list[dict[str, Any]]] = {m: [] for m in identical}
+    # Per batched method: stage seconds, steps, prefill seconds, prompts (step_stages).
+    stages: dict[str, list[Any]] = {m: [{}, 0, 0.0, 0] for m in identical}
     rows = []
     methods = list(args.methods)
     for w in workloads:
@@ -229,6 +242,14 @@ def _measure(
                     identical[method][0] += same
                     identical[method][1] += len(group)
                     margins[method].extend(found)
+                if not args.continuous:
+                    seconds_by_stage, steps, prefill, prompts_done = step_stages(medians[method])
+                    acc = stages[method]
+                    for name, value in seconds_by_stage.items():
+                        acc[0][name] = acc[0].get(name, 0.0) + value
+                    acc[1] += steps
+                    acc[2] += prefill
+                    acc[3] += prompts_done
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     rate = {m: t / s if s else 0.0 for m, (t, s) in totals.items()}
@@ -245,6 +266,19 @@ def _measure(
         "divergences_at_near_ties": {
             m.replace("N", str(args.batch)): f"{sum(x['near_tie'] for x in d)}/{len(d)}"
             for m, d in margins.items()
+        },
+        # Where a batched step's time goes (groups decoded together; not with --continuous).
+        "stage_ms_per_step": {
+            m.replace("N", str(args.batch)): {
+                name: round(1e3 * value / steps, 3) for name, value in by_stage.items() if value
+            }
+            for m, (by_stage, steps, _, _) in stages.items()
+            if steps
+        },
+        "prefill_ms_per_prompt": {
+            m.replace("N", str(args.batch)): round(1e3 * prefill / prompts_done, 3)
+            for m, (_, _, prefill, prompts_done) in stages.items()
+            if prompts_done
         },
         "tree_budget": config.tree_budget,
         "batch_tree_budget": batch_budget,
