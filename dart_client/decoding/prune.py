@@ -132,10 +132,11 @@ def build_trees(
     """The trees of a batch of sequences: one ``build_batch`` call where the builder has one
     (:class:`PrunerTreeBuilder`), else :func:`build_tree` per sequence. A sequence with no
     room for a draft node (budget 0) gets its root alone."""
-    trees = [Tree.root_only(int(c[-1])) for c in contexts]
     todo = [i for i, b in enumerate(budgets) if b > 0]
+    # Root-only trees only where there is no room (one per row would cost as much as pruning).
+    trees = {i: Tree.root_only(int(c[-1])) for i, c in enumerate(contexts) if budgets[i] <= 0}
     if not todo:
-        return trees
+        return [trees[i] for i in range(len(contexts))]
     batch = getattr(builder, "build_batch", None)
     if callable(batch):
         paths = [lookup_paths[i] for i in todo]
@@ -150,6 +151,5 @@ def build_trees(
         built = [
             build_tree(builder, contexts[i], rows[i], budgets[i], lookup_paths[i]) for i in todo
         ]
-    for i, tree in zip(todo, built, strict=True):
-        trees[i] = tree
-    return trees
+    trees.update(zip(todo, built, strict=True))
+    return [trees[i] for i in range(len(contexts))]

@@ -17,6 +17,9 @@ import torch
 
 from dart_client.models.target import TargetCache, TargetModel
 
+_ROOT_DEPTHS = torch.zeros(1, dtype=torch.int64)
+_ROOT_MASK = torch.ones((1, 1), dtype=torch.bool)
+
 
 @dataclass
 class Tree:
@@ -59,7 +62,11 @@ class Tree:
 
     @classmethod
     def root_only(cls, root: int) -> Tree:
-        return cls.build([root], [-1])
+        """The root alone: autoregressive decoding makes one per row and step, so it shares
+        its two constant tensors (trees are never changed in place)."""
+        return cls(
+            tokens=[int(root)], parents=[-1], depths=_ROOT_DEPTHS, mask=_ROOT_MASK, children=[[]]
+        )
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> Tree:
