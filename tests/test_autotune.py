@@ -296,6 +296,9 @@ def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
         # Every row's tokens count; the speedup is over fused AR of the same rows.
         assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
         assert p.speedup == pytest.approx(p.tokens_per_s * tuning.ar_forward_ms / 3e3)
+        # A real step's bookkeeping, measured once, is in every budget's step.
+        assert p.step_ms == pytest.approx(p.verify_ms + p.prune_ms + p.draft_ms + p.overhead_ms)
+    assert len({p.overhead_ms for p in tuning.curve}) == 1 and tuning.curve[0].overhead_ms > 0
     assert tuning.point(13).tau > 1.5
     got = dm.generate_batch(ps, max_new_tokens=20)
     assert set(dm.batch_tree_tunings) == {3} and dm.tree_tuning is None
@@ -306,6 +309,39 @@ def test_batch_budget_is_tuned_per_batch_size_and_used_by_generate_batch(
     ]
     with pytest.raises(InvalidArgumentError, match="batch must be"):
         autotune(dm, batch=0)
+
+
+def test_a_batch_step_s_bookkeeping_weighs_on_small_trees_most(
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a real batched step spends beyond drafting, pruning and verifying (each row's
+    new tokens: 4 ms more per row and step here) is measured on real steps and added to
+    every budget's step: it weighs on the trees that accept least (more steps per token)."""
+    import time as time_module
+
+    from dart_client.decoding.loop import _Run
+
+    emit = _Run._emit
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time_module.sleep(0.004)
+        return emit(self, *args, **kwargs)
+
+    dm, ps, _ = planted(target, head, 3, 9, 24)
+    plain = autotune(
+        dm, prompts=ps, budgets=(1, 13), continuation_tokens=24, context_tokens=32, repeats=2,
+        batch=3,
+    )  # fmt: skip
+    monkeypatch.setattr(_Run, "_emit", slow)
+    tuning = autotune(
+        dm, prompts=ps, budgets=(1, 13), continuation_tokens=24, context_tokens=32, repeats=2,
+        batch=3,
+    )  # fmt: skip
+    added = tuning.curve[0].overhead_ms - plain.curve[0].overhead_ms
+    assert 3 * 4 * 0.9 <= added <= 3 * 4 * 3
+    for p in tuning.curve:
+        assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
+        assert p.step_ms >= p.verify_ms + p.prune_ms + p.draft_ms + 3 * 4 * 0.9
 
 
 def test_a_batch_on_the_static_path_times_the_static_batch_program(
