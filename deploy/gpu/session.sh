@@ -69,6 +69,13 @@ run() {
         step "batched-$b" 150 python3 -m dart_client.apps.bench.batched --device cuda --ngram "$NG" \
           --batch "$b" --workloads humaneval --groups 1 --max-new-tokens 64 --tree-budget auto \
           --batch-tree-budget auto --methods dart-x1 ar-xN dart-xN --output "$R/batched-$b.json"
+      done
+      # Longer answers: decoding, not the prompts' admission, is most of the run.
+      for b in 8 32; do
+        step "batched-$b-256" 150 python3 -m dart_client.apps.bench.batched --device cuda \
+          --ngram "$NG" --batch "$b" --workloads humaneval --groups 1 --max-new-tokens 256 \
+          --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN \
+          --output "$R/batched-$b-256.json"
       done ;;
     eagle3) step eagle3 120 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 3 --max-new-tokens 128 --methods ar dart eagle3 \
