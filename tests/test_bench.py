@@ -438,3 +438,42 @@ def test_the_batched_benchmark_weighs_each_divergence_against_the_targets_margin
     assert same == 1 and len(found) == 1
     (d,) = found
     assert d["token"] == 3 and not d["near_tie"] and d["margin"] > d["threshold"]
+
+
+def test_the_batched_benchmark_runs_every_answer_past_eos_when_asked(
+    tiny_ngram_path: Path, tmp_path: Path
+) -> None:
+    """``--ignore-eos``: each answer runs to ``--max-new-tokens`` (fixed lengths, as vLLM's
+    benchmark); without it an answer ends at EOS (here the token the target picks second)."""
+    from dart_client.apps.bench import batched, harness
+    from dart_client.ngram import NGram
+
+    prompts = tmp_path / "tiny.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("w5 w9 w17", "w40 w41")))
+    target = make_tiny_target("llama", seed=1)
+    head = DartHead.random_init(target.config, draft_length=3, seed=2).double()
+
+    def model() -> DartModel:
+        ngram = NGram.open(str(tiny_ngram_path))
+        return DartModel(target, head, tokenizer=make_tiny_tokenizer(), ngram=ngram)
+
+    (workload,) = harness.load_workloads([str(prompts)], model(), 2, 512)
+    first = model().generate(input_ids=workload.prompts[0].ids, max_new_tokens=3, mode="ar")
+    target.generation_config.eos_token_id = first.tokens[1]
+    tokens = {}
+    for flag in ([], ["--ignore-eos"]):
+        out = tmp_path / f"batched{len(flag)}.json"
+        args = batched.parser().parse_args(
+            [
+                "--workloads", str(prompts), "--batch", "2", "--groups", "1",
+                "--max-new-tokens", "12", "--repetitions", "1", "--tree-budget", "3",
+                "--batch-tree-budget", "3", "--methods", "ar-x1", "ar-xN", "dart-xN",
+                "--output", str(out), *flag,
+            ]
+        )  # fmt: skip
+        assert batched.run(args, model=model()) == 0
+        (group,) = json.loads(out.read_text())["groups"]
+        tokens[bool(flag)] = {m: group[m]["tokens"] for m in ("ar-x1", "ar-xN", "dart-xN")}
+        assert json.loads(out.read_text())["summary"]["ignore_eos"] == bool(flag)
+    assert tokens[True] == {"ar-x1": 24, "ar-xN": 24, "dart-xN": 24}
+    assert all(n < 24 for n in tokens[False].values())

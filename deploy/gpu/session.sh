@@ -74,7 +74,7 @@ run() {
       for b in 8 32; do
         step "batched-$b-256" 150 python3 -m dart_client.apps.bench.batched --device cuda \
           --ngram "$NG" --batch "$b" --workloads humaneval --groups 1 --max-new-tokens 256 \
-          --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN \
+          --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN --ignore-eos \
           --output "$R/batched-$b-256.json"
       done ;;
     eagle3) step eagle3 120 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \

@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
         "joining as soon as one ends (concurrent requests), instead of groups run to the end",
     )
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer runs to --max-new-tokens (EOS does not end it), as vLLM's benchmark",
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--tree-budget", default="4", help="draft nodes of a lone DART sequence")
@@ -195,7 +200,9 @@ def _measure(
     batch_budget = parse_tree_budget(args.batch_tree_budget)
     per_workload = args.batch * args.groups
     workloads = harness.load_workloads(args.workloads, model, per_workload, args.max_prompt_tokens)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, tree_budget=budget)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, tree_budget=budget, ignore_eos=args.ignore_eos
+    )
     config = model.resolve_config(config)
     tuning = None
     if batch_budget == "auto":
@@ -286,6 +293,7 @@ def _measure(
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "continuous": args.continuous,
+        "ignore_eos": args.ignore_eos,
         "notes": notes,
     }
     if "dart-xN" in rate and "dart-x1" in rate and rate["dart-x1"]:
