@@ -175,11 +175,15 @@ def test_the_switch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("DART_GPU_KERNELS", "trition")
     with pytest.raises(InvalidArgumentError, match="DART_GPU_KERNELS = 'trition'"):
         gpu_kernels.requested()
-    # The tree attention kernel: on by default, PyTorch's SDPA when asked for.
+    # The tree attention kernel: on by default from Ampere on (TF32 tensor cores), PyTorch's
+    # SDPA when asked for (or on older GPUs unless asked for).
     monkeypatch.delenv("DART_GPU_ATTENTION", raising=False)
-    assert gpu_kernels.attention_requested()
+    assert gpu_kernels.attention_requested((9, 0)) and gpu_kernels.attention_requested((8, 0))
+    assert not gpu_kernels.attention_requested((7, 5))
     monkeypatch.setenv("DART_GPU_ATTENTION", "Torch")
-    assert not gpu_kernels.attention_requested()
+    assert not gpu_kernels.attention_requested((9, 0))
+    monkeypatch.setenv("DART_GPU_ATTENTION", "triton")
+    assert gpu_kernels.attention_requested((7, 5))
     monkeypatch.setenv("DART_GPU_ATTENTION", "flash")
     with pytest.raises(InvalidArgumentError, match="DART_GPU_ATTENTION = 'flash'"):
         gpu_kernels.attention_requested()

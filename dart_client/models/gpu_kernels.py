@@ -137,12 +137,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def attention_requested() -> bool:
-    """Whether cuda targets attend with :func:`tree_attention`: unless ``DART_GPU_ATTENTION``
-    is ``torch`` (PyTorch's SDPA). On an H200 it took SmolLM2-135M's one-token step from 2.69
-    to 1.78 ms and its 61-node tree step from 3.00 to 2.23 ms, as close to exact attention
-    as SDPA's memory-efficient kernel (docs/gpu.md)."""
-    return _switch("DART_GPU_ATTENTION", default=True)
+def attention_requested(capability: tuple[int, int] = (9, 0)) -> bool:
+    """Whether a cuda target on a GPU of compute ``capability`` attends with
+    :func:`tree_attention`: by default from Ampere (8.0) on, whose tensor cores take its
+    TF32 products; ``DART_GPU_ATTENTION=triton`` / ``torch`` (PyTorch's SDPA) choose. On an
+    H200 it took SmolLM2-135M's one-token step from 2.69 to 1.78 ms and its 61-node tree
+    step from 3.00 to 2.23 ms, as close to exact attention as SDPA's memory-efficient
+    kernel (docs/gpu.md)."""
+    return _switch("DART_GPU_ATTENTION", default=capability >= (8, 0))
 
 
 def tree_attention(

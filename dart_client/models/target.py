@@ -608,7 +608,7 @@ class TargetModel:
         if (
             self.device.type == "cuda"
             and gpu_kernels.available()
-            and gpu_kernels.attention_requested()
+            and gpu_kernels.attention_requested(torch.cuda.get_device_capability(self.device))
         ):
             # The Triton tree attention (DART_GPU_ATTENTION=torch keeps SDPA).
             self.replaced_attention = use_small_query_attention(self.model, gpu=True)
