@@ -544,14 +544,16 @@ def _batch_step_overhead_ms(
 ) -> float:
     """Median milliseconds per fused step of a real batch (``batch`` rows of the calibration
     prompts at ``budget`` nodes each) outside the parts the estimate times on their own:
-    drafting, pruning and the verification with its inputs and acceptance. The rest is the
-    step's bookkeeping (each row's new tokens, EOS and length checks, stop strings, text)."""
+    drafting, pruning and the verification with its inputs (on the static path also its
+    acceptance, which the timed program does). The rest is the step's bookkeeping (each row's
+    acceptance and cache compaction on the dynamic path, the new tokens, EOS and length
+    checks, stop strings, text)."""
     from dart_client.decoding.batch import BatchGenerator
 
-    modelled = ("draft", "prune", "inputs", "verify", "accept")
     longest = max(len(p) for p in prompts)
     new_tokens = (steps + 2) * (budget + 1)
     generator = BatchGenerator(model, max_batch=batch, max_length=longest + new_tokens + 1)
+    modelled = ("draft", "prune", "inputs", "verify") + (("accept",) if generator.static else ())
     config = GenerationConfig(max_new_tokens=new_tokens, tree_budget=budget, ignore_eos=True)
     for row in range(batch):
         generator.add(config, input_ids=prompts[row % len(prompts)])
