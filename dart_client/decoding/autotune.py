@@ -548,11 +548,10 @@ def _batch_step_overhead_ms(
     acceptance, which the timed program does). The rest is the step's bookkeeping (each row's
     acceptance and cache compaction on the dynamic path, the new tokens, EOS and length
     checks, stop strings, text)."""
-    from dart_client.decoding.batch import BatchGenerator
-
     longest = max(len(p) for p in prompts)
     new_tokens = (steps + 2) * (budget + 1)
-    generator = BatchGenerator(model, max_batch=batch, max_length=longest + new_tokens + 1)
+    # The model's own generator (the batch module imports this one: no import back).
+    generator = model.batch_generator(max_batch=batch, max_length=longest + new_tokens + 1)
     modelled = ("draft", "prune", "inputs", "verify") + (("accept",) if generator.static else ())
     config = GenerationConfig(max_new_tokens=new_tokens, tree_budget=budget, ignore_eos=True)
     for row in range(batch):
