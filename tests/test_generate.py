@@ -486,15 +486,17 @@ PROMPT = [5, 7, 3, 9]
 
 
 def exact_joint(
-    model: Any, prompt: list[int], n: int, params: SamplingParams
+    model: Any, prompt: list[int], n: int, params: SamplingParams, masked: Sequence[int] = ()
 ) -> dict[tuple, float]:
-    """The target's exact distribution of its first ``n`` sampled tokens (enumerated)."""
+    """The target's exact distribution of its first ``n`` sampled tokens (enumerated);
+    ``masked`` tokens get probability 0 at each (their logits -inf before the warpers)."""
     dist: dict[tuple, float] = {(): 1.0}
     for _ in range(n):
         prefixes = list(dist)
         batch = torch.tensor([prompt + list(p) for p in prefixes], device=model.device)
         with torch.no_grad():
             logits = model(batch).logits[:, -1]
+        logits[:, list(masked)] = float("-inf")
         probs = target_probs(logits, params)
         nxt: dict[tuple, float] = {}
         for row, prefix in enumerate(prefixes):
@@ -585,6 +587,7 @@ def sample_siblings(
     n: int,
     monkeypatch: pytest.MonkeyPatch,
     static: bool | str = "auto",
+    **options: Any,
 ) -> tuple[Counter, SiblingCounts]:
     """``n`` seeded DART runs, each stopped once ``COMPARED`` tokens are out: with room for
     64 tokens the length limit never cuts a tree (all 12 nodes are verified every step)."""
@@ -596,6 +599,7 @@ def sample_siblings(
         tokens, _ = generate_tracked(
             dart_generate, dm, builder, until=COMPARED, input_ids=PROMPT, max_new_tokens=64,
             seed=seed, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, static=static,
+            **options,
         )  # fmt: skip
         counts[tuple(tokens[:COMPARED])] += 1
     return counts, spy
@@ -631,6 +635,30 @@ def test_sampling_is_lossless(sampling_setup: Any, monkeypatch: pytest.MonkeyPat
         )  # fmt: skip
         ar_counts[tuple(r.tokens)] += 1
     assert chi_square_pvalue(ar_counts, exact, 400) > 1e-3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_with_min_tokens_is_the_target_with_its_end_token_masked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``min_tokens`` (vLLM's): until then EOS has probability 0. DART's first three sampled
+    tokens follow the target's distribution with EOS masked at each (enumerated exactly); EOS
+    is the target's likeliest first token here, so a sampler that ignored the mask (in the
+    prefill's pick or in the trees' acceptance) would be caught."""
+    model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, layers=4, seed=5, init_range=0.3)
+    with torch.no_grad():
+        eos = int(model(torch.tensor([PROMPT], device=model.device)).logits[0, -1].argmax())
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    head = DartHead.random_init(model.config, draft_length=2, seed=3, std=0.5).double()
+    builder = LikeliestSiblings(model, SIBLING_PARAMS, width=3, depth=2)
+    dm = DartModel(model, head.to(model.device), tree_builder=builder)
+    assert dm.target.eos_token_ids == frozenset({eos})
+    exact = exact_joint(model, PROMPT, COMPARED, SIBLING_PARAMS, masked=[eos])
+    counts, _ = sample_siblings(dm, builder, SIBLING_SAMPLES, monkeypatch, min_tokens=COMPARED)
+    assert all(eos not in seq for seq in counts)
+    pvalue = chi_square_pvalue(counts, exact, SIBLING_SAMPLES)
+    assert pvalue > 1e-3, f"DART samples differ from the masked target (p={pvalue:.2e})"
 
 
 @pytest.mark.usefixtures("one_thread")

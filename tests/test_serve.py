@@ -538,6 +538,20 @@ def test_ignore_eos_generates_to_max_tokens(server: Server, reference: Any) -> N
         headers={"Authorization": f"Bearer {API_KEY}"},
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+    # vLLM's min_tokens: the stop id (the 3rd token) may not end the answer before 6 tokens,
+    # so the answer runs past it, as the reference does with the same setting.
+    held = client.chat.completions.create(
+        messages=messages, extra_body={"stop_token_ids": [stop], "min_tokens": 6}, **common
+    )
+    want = greedy(reference, 40, messages=messages, stop_token_ids=[stop], min_tokens=6)
+    assert held.usage.completion_tokens == len(want.tokens) > ref.tokens.index(stop) + 1
+    assert held.choices[0].message.content == want.text
+    too_many = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": messages, "min_tokens": 41, **common},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
 
 
 @pytest.mark.parametrize("kind", ["main", "batched"])

@@ -153,6 +153,13 @@ def generate_main(argv: Sequence[str]) -> int:
         action="store_true",
         help="generate through end-of-sequence tokens to --max-new-tokens (fixed lengths)",
     )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no end-of-sequence token before N new tokens (vLLM's min_tokens)",
+    )
     args = p.parse_args(list(argv))
     config = generation_config(args, p)
     check_model_arguments(args, p)

@@ -212,6 +212,7 @@ def generation_config(
             static=args.static,
             logprobs=getattr(args, "logprobs", None),
             ignore_eos=getattr(args, "ignore_eos", False),
+            min_tokens=getattr(args, "min_tokens", 0),
         )
     except DartError as err:
         parser.error(str(err))

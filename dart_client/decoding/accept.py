@@ -51,6 +51,27 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
+def mask_end_tokens(
+    logits: torch.Tensor,
+    depths: torch.Tensor,
+    generated: int,
+    min_tokens: int,
+    end_ids: frozenset[int],
+) -> torch.Tensor:
+    """``logits`` (a row per tree node; row i's token would be new token number
+    ``generated + depths[i]``) with the end tokens at -inf in the rows whose token comes
+    before ``min_tokens``: the distribution vLLM's ``min_tokens`` samples from. The same
+    tensor when no row is early; a copy otherwise."""
+    if generated >= min_tokens or not end_ids:
+        return logits
+    early = torch.nonzero(depths.cpu() + generated < min_tokens).flatten()
+    rows = early.to(logits.device)
+    cols = torch.tensor(sorted(end_ids), dtype=torch.long, device=logits.device)
+    out = logits.clone()
+    out[rows.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
+    return out
+
+
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
     """Longest path whose every token equals the target's argmax at its parent.
 

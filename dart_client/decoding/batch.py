@@ -422,8 +422,12 @@ class BatchGenerator:
         frontier = self.cache.length
         row_taps: list[torch.Tensor] | None = None
         # The greedy program accepts on the device and returns no logits: a row reporting
-        # log probabilities takes the forward (as sampling rows do).
-        if self.static and all(row.run.params.greedy and row.run.logprobs is None for row in rows):
+        # log probabilities takes the forward (as sampling rows do), and so does a row whose
+        # end tokens are still masked (min_tokens).
+        if self.static and all(
+            row.run.params.greedy and row.run.logprobs is None and not row.run.early()
+            for row in rows
+        ):
             # One copy in, one program (forward, acceptance, compaction), one copy out.
             verifier = self._verifier()
             loaded = verifier.load(trees)
@@ -453,10 +457,11 @@ class BatchGenerator:
             accepted = []
             for b, (row, tree) in enumerate(zip(rows, trees, strict=True)):
                 run = row.run
+                allowed = run.allowed(logits[b], tree.depths)
                 accepted.append(
-                    accept_greedy(tree, logits[b])
+                    accept_greedy(tree, allowed)
                     if run.params.greedy
-                    else accept_sampling(tree, logits[b], run.params, run.generator)
+                    else accept_sampling(tree, allowed, run.params, run.generator)
                 )
             lap("accept")
             self.cache.keep_rows(frontier, [a.nodes for a in accepted], self.device)

@@ -63,7 +63,11 @@ class GenerationConfig:
       output lengths for benchmarks); only ``max_new_tokens``, ``max_length``, stop strings
       and ``stop_token_ids`` end the output;
     - ``stop_token_ids``: more tokens that end the output as end-of-sequence does (kept as
-      its last token; vLLM's ``stop_token_ids``), with or without ``ignore_eos``.
+      its last token; vLLM's ``stop_token_ids``), with or without ``ignore_eos``;
+    - ``min_tokens``: new tokens before EOS or a ``stop_token_ids`` token may come (vLLM's
+      ``min_tokens``; <= ``max_new_tokens``): until then those tokens have probability 0 in
+      the target's distribution that greedy picks from and sampling keeps (stop strings
+      still end the output where they appear).
     """
 
     max_new_tokens: int = 512
@@ -79,6 +83,7 @@ class GenerationConfig:
     logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -96,6 +101,12 @@ class GenerationConfig:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidTypeError(
                 f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
+            )
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_new_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens = {self.min_tokens} is more than max_new_tokens = "
+                f"{self.max_new_tokens}"
             )
 
     @property

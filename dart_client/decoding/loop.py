@@ -34,6 +34,7 @@ from dart_client.decoding.accept import (
     accept_greedy,
     accept_sampling,
     greedy_token,
+    mask_end_tokens,
 )
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows
@@ -376,7 +377,12 @@ def new_run(
         config.logprobs,
         config.ignore_eos,
         config.stop_token_ids,
+        config.min_tokens,
     )
+
+
+#: The depth of the token after the prompt (its row is the prefill's last).
+_FIRST_DEPTH = torch.zeros(1, dtype=torch.int64)
 
 
 class _Run:
@@ -400,6 +406,7 @@ class _Run:
         logprobs: int | None = None,
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -436,6 +443,18 @@ class _Run:
         # The tokens that end the output: end-of-sequence (unless ignored) and the stop ids.
         eos = () if ignore_eos else self.target.eos_token_ids
         self.eos: frozenset[int] = frozenset(eos) | frozenset(stop_token_ids)
+        # New tokens before any of self.eos may come.
+        self.min_tokens = min_tokens
+
+    def early(self) -> bool:
+        """Whether the next token still comes before ``min_tokens`` (the end tokens masked:
+        the static greedy program, which does not mask, is not used then)."""
+        return len(self.generated) < self.min_tokens and bool(self.eos)
+
+    def allowed(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The target's ``logits`` for tree nodes at ``depths`` below the last token, the end
+        tokens masked where their token comes before ``min_tokens``."""
+        return mask_end_tokens(logits, depths, len(self.generated), self.min_tokens, self.eos)
 
     def _clock(self) -> float:
         if self.sync:
@@ -443,6 +462,8 @@ class _Run:
         return self.target.clock()
 
     def _pick(self, logits: torch.Tensor) -> int:
+        """The token after the prompt (``logits``: its row), as the steps choose theirs."""
+        logits = self.allowed(logits.unsqueeze(0), _FIRST_DEPTH)[0]
         if self.params.greedy:
             return greedy_token(logits)
         return sample(target_probs(logits, self.params), self.generator)
@@ -565,7 +586,8 @@ class _Run:
 
         while self.finish is None:
             step: dict[str, float] = {}
-            drafted_in_program = static_greedy
+            greedy_program = static_greedy and not self.early()
+            drafted_in_program = greedy_program
             t = self._clock()
             if pending is not None:
                 assert drafter is not None and head_cache is not None
@@ -585,7 +607,7 @@ class _Run:
             else:
                 tree = Tree.root_only(root)
             t = self._lap_add(t, tree_stage, step)
-            if static_greedy:
+            if greedy_program:
                 assert static is not None
                 # One copy in, one graph (forward, acceptance, compaction), one copy out.
                 loaded = static.load(tree)
@@ -614,10 +636,11 @@ class _Run:
                     step["inputs"] = t2 - t - forward
                     step["verify"] = forward
                     t = t2
+                allowed = self.allowed(logits, tree.depths)
                 acc = (
-                    accept_greedy(tree, logits)
+                    accept_greedy(tree, allowed)
                     if self.params.greedy
-                    else accept_sampling(tree, logits, self.params, self.generator)
+                    else accept_sampling(tree, allowed, self.params, self.generator)
                 )
                 t = self._lap(t, "accept", step)
                 cache.keep(cache_len, acc.nodes, self.device)
@@ -635,7 +658,7 @@ class _Run:
             new = acc.new_tokens
             rows = None
             if self.logprobs is not None:
-                assert not static_greedy
+                assert not greedy_program
                 rows = node_rows(logits, acc)
             event = self._emit(new, len(new), len(tree), step, rows)
             self._lap(t, "emit", step)

@@ -35,6 +35,7 @@ class Sampling:
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass
@@ -157,6 +158,7 @@ class Engine:
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
             stop_token_ids=sampling.stop_token_ids,
+            min_tokens=sampling.min_tokens,
         )
         return self.model.resolve_config(config, self.mode(sampling), batch)
 

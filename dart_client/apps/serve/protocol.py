@@ -78,6 +78,8 @@ class _Common(BaseModel):
     # more tokens that end the output as end-of-sequence does.
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    # vLLM's: new tokens before end-of-sequence or a stop_token_ids token may come.
+    min_tokens: StrictInt = Field(default=0, ge=0)
 
 
 class ChatRequest(_Common):
@@ -166,6 +168,12 @@ def sampling_of(
             name,
             "context_length_exceeded",
         )
+    if req.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens is {req.min_tokens}, more than the {max_tokens} new tokens of {name}",
+            "min_tokens",
+            "invalid_value",
+        )
     return Sampling(
         max_new_tokens=max_tokens,
         temperature=req.temperature,
@@ -178,6 +186,7 @@ def sampling_of(
         logprobs=logprobs_of(req),
         ignore_eos=req.ignore_eos,
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        min_tokens=req.min_tokens,
         prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
 
