@@ -144,6 +144,11 @@ def test_generate_prints_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]
     assert sum("%)" in line for line in err.splitlines()) == len(record["tokens"])
     assert main([*argv[:-1], "--logprobs", "21", argv[-1]]) == 2  # a usage error
     assert "logprobs" in capsys.readouterr().err
+    # --min-tokens reaches the generation (checked against --max-new-tokens there).
+    assert main([*argv[:-1], "--min-tokens", "6", argv[-1]]) == 2
+    assert "min_tokens = 6 is more than max_new_tokens = 5" in capsys.readouterr().err
+    assert main([*argv[:-1], "--min-tokens", "5", argv[-1]]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5
 
 
 # ---- the n-gram's tokenizer ------------------------------------------------------------------
