@@ -3,7 +3,7 @@
 # its own time limit and appends to one log, so a step that fails or runs long costs only itself.
 # Results (JSON, the logs) are packed into $OUT/results.tar after every step.
 #   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
-# STEP: env static precision bench shapes shapes-real triton attention attention-batched real profile batched eagle3 generate
+# STEP: env static precision bench shapes shapes-real triton attention attention-batched real profile batched eagle3 generate, or next (docs/gpu.md's waiting list)
 # (default: all, in that order).
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -57,7 +57,7 @@ run() {
         --max-new-tokens 128 --methods ar dart --no-progress --output-dir "$R/bench-sdpa" ;;
     attention-batched) for b in 8 32; do for a in torch triton; do
         step "batched-$b-$a" 100 env DART_GPU_ATTENTION=$a python3 -m dart_client.apps.bench.batched \
-          --device cuda --ngram "$NG" --batch "$b" --workloads humaneval --groups 1 \
+          --device cuda --ngram "$NG" --batch "$b" --workloads humaneval --groups 4 \
           --max-new-tokens 64 --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN \
           --output "$R/batched-$b-$a.json"
       done; done ;;
@@ -82,6 +82,8 @@ run() {
         --no-progress --output-dir "$R/eagle3" ;;
     generate) step generate 240 env DART_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
         tests/test_generate.py ;;
+    # What docs/gpu.md "Waiting for a GPU" lists, most wanted first (about 9 minutes).
+    next) for s in env attention-batched batched static real; do run "$s"; done ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 }
