@@ -268,19 +268,20 @@ def autotune(
             prune_ms = _batch_prune_ms(model, calibrations, b, batch, repeats, clock)
         else:
             prune_ms = 1e3 * statistics.median(prune_times[b]) if prune_times[b] else 0.0
-        point = BudgetPoint(
-            budget=b,
-            verify_ms=verify[b],
-            prune_ms=prune_ms,
-            draft_ms=draft_ms,
-            tau=tau,
-            tokens_per_s=0.0,
-            speedup=0.0,
-            overhead_ms=overhead_ms,
+        step = verify[b] + prune_ms + draft_ms + overhead_ms
+        tps = 1e3 * batch * tau / step
+        curve.append(
+            BudgetPoint(
+                budget=b,
+                verify_ms=verify[b],
+                prune_ms=prune_ms,
+                draft_ms=draft_ms,
+                tau=tau,
+                tokens_per_s=tps,
+                speedup=tps * ar_ms / (1e3 * batch),
+                overhead_ms=overhead_ms,
+            )
         )
-        point.tokens_per_s = 1e3 * batch * tau / point.step_ms
-        point.speedup = point.tokens_per_s * ar_ms / (1e3 * batch)
-        curve.append(point)
     # Ties (e.g. an untrained head, tau 1 everywhere) go to the smaller, cheaper tree.
     best = max(curve, key=lambda p: (p.tokens_per_s, -p.budget))
     if all(p.tau < 1.05 for p in curve):

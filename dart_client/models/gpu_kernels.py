@@ -137,7 +137,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def attention_requested(capability: tuple[int, int] = (9, 0)) -> bool:
+def attention_requested(capability: tuple[int, int]) -> bool:
     """Whether a cuda target on a GPU of compute ``capability`` attends with
     :func:`tree_attention`: by default from Ampere (8.0) on, whose tensor cores take its
     TF32 products; ``DART_GPU_ATTENTION=triton`` / ``torch`` (PyTorch's SDPA) choose. On an

@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +137,29 @@ def divergences(
     return same, found
 
 
-def step_stages(results: Sequence[Any]) -> tuple[dict[str, float], int, float, int]:
-    """A batched run's stage seconds over its steps: the longest row lived through every step
-    of a group decoded together, so its timings (each step's stages, charged to every live
-    row) are the batch's. Returns (stage seconds without the prefill, steps, the rows'
-    prefill seconds, rows)."""
-    longest = max(results, key=lambda r: len(r.accept_lengths))
-    stages = {k: v for k, v in longest.timings.items() if k != "prefill"}
-    prefill = sum(r.timings.get("prefill", 0.0) for r in results)
-    return stages, max(len(longest.accept_lengths) - 1, 0), prefill, len(results)
+@dataclass
+class StageTotals:
+    """Where batched runs' time went, summed over groups decoded together: each step's stage
+    seconds and the prompts' prefill seconds."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    prefill: float = 0.0
+    prompts: int = 0
+
+    def add(self, results: Sequence[Any]) -> None:
+        """One group's results: its longest row lived through every step of the group, so its
+        timings (each step's stages, charged to every live row) are the batch's."""
+        longest = max(results, key=lambda r: len(r.accept_lengths))
+        for name, value in longest.timings.items():
+            if name != "prefill":
+                self.seconds[name] = self.seconds.get(name, 0.0) + value
+        self.steps += max(len(longest.accept_lengths) - 1, 0)
+        self.prefill += sum(r.timings.get("prefill", 0.0) for r in results)
+        self.prompts += len(results)
+
+    def ms_per_step(self) -> dict[str, float]:
+        return {k: round(1e3 * v / self.steps, 3) for k, v in self.seconds.items() if v}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,8 +232,7 @@ def _measure(
     totals = {m: [0, 0.0] for m in args.methods}
     identical = {m: [0, 0] for m in args.methods if m.endswith("xN")}
     margins: dict[str, list[dict[str, Any]]] = {m: [] for m in identical}
-    # Per batched method: stage seconds, steps, prefill seconds, prompts (step_stages).
-    stages: dict[str, list[Any]] = {m: [{}, 0, 0.0, 0] for m in identical}
+    stages = {m: StageTotals() for m in identical}
     rows = []
     methods = list(args.methods)
     for w in workloads:
@@ -250,13 +264,7 @@ def _measure(
                     identical[method][1] += len(group)
                     margins[method].extend(found)
                 if not args.continuous:
-                    seconds_by_stage, steps, prefill, prompts_done = step_stages(medians[method])
-                    acc = stages[method]
-                    for name, value in seconds_by_stage.items():
-                        acc[0][name] = acc[0].get(name, 0.0) + value
-                    acc[1] += steps
-                    acc[2] += prefill
-                    acc[3] += prompts_done
+                    stages[method].add(medians[method])
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     rate = {m: t / s if s else 0.0 for m, (t, s) in totals.items()}
@@ -276,16 +284,12 @@ def _measure(
         },
         # Where a batched step's time goes (groups decoded together; not with --continuous).
         "stage_ms_per_step": {
-            m.replace("N", str(args.batch)): {
-                name: round(1e3 * value / steps, 3) for name, value in by_stage.items() if value
-            }
-            for m, (by_stage, steps, _, _) in stages.items()
-            if steps
+            m.replace("N", str(args.batch)): s.ms_per_step() for m, s in stages.items() if s.steps
         },
         "prefill_ms_per_prompt": {
-            m.replace("N", str(args.batch)): round(1e3 * prefill / prompts_done, 3)
-            for m, (_, _, prefill, prompts_done) in stages.items()
-            if prompts_done
+            m.replace("N", str(args.batch)): round(1e3 * s.prefill / s.prompts, 3)
+            for m, s in stages.items()
+            if s.prompts
         },
         "tree_budget": config.tree_budget,
         "batch_tree_budget": batch_budget,
