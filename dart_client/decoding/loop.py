@@ -51,7 +51,7 @@ from dart_client.decoding.static import (
     static_head_capacity,
     verifier_for,
 )
-from dart_client.decoding.verify import Tree, verify_tree
+from dart_client.decoding.verify import ROOT_DEPTHS, Tree, verify_tree
 from dart_client.errors import ContextTooLongError, EmptyPromptError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -381,10 +381,6 @@ def new_run(
     )
 
 
-#: The depth of the token after the prompt (its row is the prefill's last).
-_FIRST_DEPTH = torch.zeros(1, dtype=torch.int64)
-
-
 class _Run:
     """The state of one generation; ``events()`` drives it step by step."""
 
@@ -463,7 +459,7 @@ class _Run:
 
     def _pick(self, logits: torch.Tensor) -> int:
         """The token after the prompt (``logits``: its row), as the steps choose theirs."""
-        logits = self.allowed(logits.unsqueeze(0), _FIRST_DEPTH)[0]
+        logits = self.allowed(logits.unsqueeze(0), ROOT_DEPTHS)[0]
         if self.params.greedy:
             return greedy_token(logits)
         return sample(target_probs(logits, self.params), self.generator)

@@ -17,7 +17,8 @@ import torch
 
 from dart_client.models.target import TargetCache, TargetModel
 
-_ROOT_DEPTHS = torch.zeros(1, dtype=torch.int64)
+#: A root alone's depths (its row is the next token's: the prefill's last, a step's root).
+ROOT_DEPTHS = torch.zeros(1, dtype=torch.int64)
 _ROOT_MASK = torch.ones((1, 1), dtype=torch.bool)
 
 
@@ -65,7 +66,7 @@ class Tree:
         """The root alone: autoregressive decoding makes one per row and step, so it shares
         its two constant tensors (trees are never changed in place)."""
         return cls(
-            tokens=[int(root)], parents=[-1], depths=_ROOT_DEPTHS, mask=_ROOT_MASK, children=[[]]
+            tokens=[int(root)], parents=[-1], depths=ROOT_DEPTHS, mask=_ROOT_MASK, children=[[]]
         )
 
     @classmethod
