@@ -165,11 +165,11 @@ def test_a_bf16_tree_forward_gives_one_token_decodings_logits_bit_for_bit(arch: 
         assert torch.equal(tree[0, i], logits[0, 0]), f"node {i} (path {path})"
 
 
-#: CPU kernel sets a bf16 target can run on: DART's matmul on AMX tiles, AVX-512 or AVX2 (with
-#: DART's tree attention; all promise tree rows bit-identical to one-token decoding), and
-#: the portable path (PyTorch / oneDNN matmuls, float32 small-query attention, SDPA for one
-#: query), which promises equality only up to near-ties.
-KERNEL_BACKENDS = ["amx", "avx512", "avx2", "portable"]
+#: CPU kernel sets a bf16 target can run on: DART's matmul on AMX tiles, AVX512-BF16 dot
+#: products, AVX-512 or AVX2 (with DART's tree attention; all promise tree rows bit-identical
+#: to one-token decoding), and the portable path (PyTorch / oneDNN matmuls, float32
+#: small-query attention, SDPA for one query), which promises equality only up to near-ties.
+KERNEL_BACKENDS = ["amx", "avx512bf16", "avx512", "avx2", "portable"]
 
 
 def use_kernels(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from dart_client.decoding.autotune import (
     _Clock,
     auto_budget,
     autotune,
+    tune_cached,
 )
 from dart_client.decoding.config import parse_tree_budget
 from dart_client.decoding.draft import DraftRows
@@ -200,6 +201,28 @@ def test_auto_budget_is_tuned_once_and_used_by_generation(
     assert auto_budget(dm) == tuning.best_budget and dm.tree_tuning is tuning
     explicit = dart_generate(dm, input_ids=prompt, max_new_tokens=12, tree_budget="auto")
     assert explicit.tokens == got.tokens
+
+
+def test_the_tuning_cache_is_keyed_by_the_cpu_matmul(
+    target: Any,
+    head: DartHead,
+    tiny_ngram_path: Any,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tree's cost depends on which CPU matmul multiplies (``DART_MAX_CPU_ISA``,
+    ``set_cpu_matmul``): a tuning cached under one kernel is not reused under another."""
+    from dart_client.models import linear
+    from dart_client.ngram import NGram
+
+    monkeypatch.setenv("DART_CACHE", str(tmp_path))
+    dm = DartModel(target, head, ngram=NGram.open(str(tiny_ngram_path)), tree_budget="auto")
+    key = {"target": "tiny"}
+    assert "tuned in" in tune_cached(dm, key)
+    assert "tuned earlier" in tune_cached(dm, key)
+    monkeypatch.setattr(linear, "_cpu_matmul", "onednn")
+    assert "tuned in" in tune_cached(dm, key)
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
 
 
 def test_bad_arguments(target: Any, head: DartHead, tiny_ngram_path: Any) -> None:

@@ -82,9 +82,10 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(rows: int, pick: int, 
 
 @needs_simd
 def test_every_simd_kernel_gives_the_scalar_kernels_bits() -> None:
-    """Each backend this CPU runs besides AMX (which rounds its own way), on one and three
-    threads."""
-    runnable = [b for b in _native.decoding_matmul_backends() if b not in ("amx", "scalar")]
+    """Each backend this CPU runs besides AMX and AVX512-BF16 (which round their own way), on
+    one and three threads."""
+    own_bits = ("amx", "avx512bf16", "scalar")
+    runnable = [b for b in _native.decoding_matmul_backends() if b not in own_bits]
     assert runnable
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 33, generator=g).bfloat16()
@@ -108,7 +109,7 @@ def test_every_simd_kernel_gives_the_scalar_kernels_bits() -> None:
 def test_dart_max_cpu_isa_caps_the_kernels_auto_picks() -> None:
     """``DART_MAX_CPU_ISA`` (like oneDNN's ``ONEDNN_MAX_CPU_ISA``) lowers what ``auto`` runs,
     never above what the CPU has; a value naming no backend fails the import, naming it."""
-    ladder = ["scalar", "avx2", "avx512", "amx"]
+    ladder = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
     have = ladder.index(_native.decoding_matmul_backends()[0])
 
     def import_with(value: str) -> subprocess.CompletedProcess[str]:
@@ -229,27 +230,34 @@ def test_fused_projections_are_the_layers_products_bit_for_bit() -> None:
         assert fused_projection(attn, names, x.requires_grad_()) is None
 
 
-def test_the_amx_kernel_is_the_product_row_by_row_or_a_clear_error() -> None:
-    """AMX tiles round their sums their own way, so the check is the product within bf16
-    rounding plus every row's bits equal to the row alone; without AMX, a named error."""
+@pytest.mark.parametrize(
+    ("backend", "feature"), [("amx", "AMX-BF16"), ("avx512bf16", "AVX512-BF16")]
+)
+def test_a_bf16_instruction_kernel_is_the_product_row_by_row_or_a_clear_error(
+    backend: str, feature: str
+) -> None:
+    """AMX tiles and AVX512-BF16 dot products round their sums their own way, so the check is
+    the product within bf16 rounding plus every row's bits equal to the row alone (rows at
+    both ends of the kernels' passes: 16 per AMX tile, 8 per dot-product pass); without the
+    instructions, an error naming them."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(70, 96, generator=g).bfloat16()
     x = torch.randn(37, 96, generator=g).bfloat16()
     b = torch.randn(70, generator=g).bfloat16()
     packed = _native.PackedMatrix(w.view(torch.uint16).numpy())
 
-    def amx(rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    def product(rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
         out = np.zeros((rows.shape[0], 70), dtype=np.uint16)
         packed.matmul(
-            rows.view(torch.uint16).numpy(), out, b.view(torch.uint16).numpy(), threads, "amx"
+            rows.view(torch.uint16).numpy(), out, b.view(torch.uint16).numpy(), threads, backend
         )
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
 
-    if "amx" not in _native.decoding_matmul_backends():
-        with pytest.raises(_native.KernelError, match="AMX-BF16"):
-            amx(x)
+    if backend not in _native.decoding_matmul_backends():
+        with pytest.raises(_native.KernelError, match=feature):
+            product(x)
         return
-    got = amx(x, threads=2)
+    got = product(x, threads=2)
     assert_bf16_rounding_of(got, reference(x, w, b), 96)
-    for r in (0, 15, 16, 31, 36):
-        assert torch.equal(got[r], amx(x[r : r + 1])[0]), r
+    for r in (0, 7, 8, 15, 16, 31, 36):
+        assert torch.equal(got[r], product(x[r : r + 1])[0]), r

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dart_client import _native
 from dart_client.data.prompt_response import HUMANEVAL_INSTRUCTION
 from dart_client.decoding.config import GenerationConfig
 from dart_client.decoding.draft import DraftRows, draft_rows, draft_rows_batch
@@ -41,6 +42,7 @@ from dart_client.decoding.static import StaticVerifier, resolve_static, static_c
 from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_tree, verify_trees
 from dart_client.errors import InvalidArgumentError
+from dart_client.models.linear import cpu_matmul
 
 if TYPE_CHECKING:
     from dart_client.decoding.loop import DecodingModel as DartModel
@@ -814,10 +816,10 @@ def tune_cached(
     prompts: Sequence[str] | None = None,
 ) -> str:
     """:func:`auto_budget` with the result cached on disk under ``key`` (what identifies the
-    target, head, n-gram, device and dtype: the caller's choice; the thread count, ``batch``
-    and the calibration ``prompts`` are added), so that a command line tunes once per setup
-    rather than at every start. The cache lives in ``<cache dir>/tuning/``; deleting a file
-    there re-tunes. Returns a note saying what happened; the tuning lands where
+    target, head, n-gram, device and dtype: the caller's choice; the thread count, the CPU
+    matmul kernel, ``batch`` and the calibration ``prompts`` are added), so that a command line
+    tunes once per setup rather than at every start. The cache lives in ``<cache dir>/tuning/``;
+    deleting a file there re-tunes. Returns a note saying what happened; the tuning lands where
     :func:`auto_budget` finds it (``model.tree_tuning``, ``model.batch_tree_tunings[batch]``).
     ``prompts`` (default :data:`CALIBRATION_PROMPTS`): the deployment's own kind of request,
     whose acceptance may differ from the built-in prompts'."""
@@ -826,7 +828,13 @@ def tune_cached(
 
     from dart_client.embedded import cache_dir
 
-    full_key = {**key, "threads": torch.get_num_threads(), "version": CACHE_VERSION}
+    full_key = {
+        **key,
+        "threads": torch.get_num_threads(),
+        "version": CACHE_VERSION,
+        # The CPU's matmul decides what a tree costs (DART_MAX_CPU_ISA, set_cpu_matmul).
+        "cpu_matmul": [_native.decoding_matmul_backend(), cpu_matmul()],
+    }
     if batch != 1:
         full_key["batch"] = batch
     if prompts is not None:

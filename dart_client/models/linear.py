@@ -10,11 +10,13 @@ an autoregressive one. Two packed kernels close that gap (measurements:
   layout streamed once per call with software prefetch, up to 12 rows per weight load, f32
   FMAs. Every row is computed in the same order whatever the row count, so a tree's products
   equal one-token decoding's bit for bit. On CPUs with AMX-BF16 the same layout is
-  multiplied in tiles, up to 32 rows per weight load; on CPUs with AVX2 and FMA but no
-  AVX-512 (AMD Zen 1-3, Intel client cores), in 8-lane registers
+  multiplied in tiles, up to 32 rows per weight load; on CPUs with AVX512-BF16 (AMD Zen 4
+  and later, Intel Cooper Lake) by ``vdpbf16ps``, two inputs per instruction straight from
+  the packed bf16 pairs (2x the FMA kernel's throughput from 4 rows on a Zen 4); on CPUs
+  with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel client cores), in 8-lane registers
   (``_native.decoding_matmul_backend()`` says which kernel runs). The AVX2, AVX-512 and
   scalar kernels give the same bits (one f32 FMA per input, in input order, per output); AMX
-  rounds its own way, but its rows too are independent of each other.
+  and AVX512-BF16 round their own way, but their rows too are independent of each other.
 - fp32 weights, and bf16 on CPUs without AVX2, use oneDNN's prepacked weights (the kernels
   IPEX and vLLM's CPU backend use). A single row keeps PyTorch's kernel there.
 

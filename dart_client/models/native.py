@@ -23,9 +23,11 @@ DECODING_ROWS = 64
 #: without them (AVX2 only, AVX-512 without BF16) it converts in software and DART's matmul
 #: is faster at every length, so it takes prompts too (docs/benchmarks.md, "CPUs without
 #: AVX-512").
-NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in ("amx", "avx512") and bool(
-    getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-)
+NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in (
+    "amx",
+    "avx512bf16",
+    "avx512",
+) and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:

@@ -1,6 +1,7 @@
 //! Tells the tests which of the kernels' CPU features the build machine has, so a test of a
 //! kernel this CPU cannot run is reported as ignored (with the reason), never as passed.
-//! `dart_cpu_avx2`: AVX2 and FMA; `dart_cpu_avx512`: AVX-512F/BW/VL; `dart_cpu_amx`: AMX-BF16
+//! `dart_cpu_avx2`: AVX2 and FMA; `dart_cpu_avx512`: AVX-512F/BW/VL; `dart_cpu_avx512bf16`:
+//! AVX512-BF16 as well; `dart_cpu_amx`: AMX-BF16
 //! and AMX-TILE as well (the OS permission for tile data is asked at run time: a test that
 //! finds it refused fails).
 //! Only for native builds (host = target); a cross build marks neither.
@@ -9,6 +10,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(dart_cpu_avx2)");
     println!("cargo::rustc-check-cfg=cfg(dart_cpu_avx512)");
     println!("cargo::rustc-check-cfg=cfg(dart_cpu_amx)");
+    println!("cargo::rustc-check-cfg=cfg(dart_cpu_avx512bf16)");
     println!("cargo::rerun-if-changed=build.rs");
     let native = std::env::var("HOST").ok() == std::env::var("TARGET").ok();
     if native && avx2() {
@@ -16,6 +18,9 @@ fn main() {
     }
     if native && avx512() {
         println!("cargo::rustc-cfg=dart_cpu_avx512");
+        if avx512_bf16() {
+            println!("cargo::rustc-cfg=dart_cpu_avx512bf16");
+        }
         if amx() {
             println!("cargo::rustc-cfg=dart_cpu_amx");
         }
@@ -41,6 +46,16 @@ fn avx512() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx512() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_bf16() -> bool {
     false
 }
 

@@ -827,7 +827,8 @@ def environment(model: DartModel, extra: dict[str, Any] | None = None) -> dict[s
         "dtype": str(model.target.dtype).replace("torch.", ""),
         "target": type(model.target.model).__name__,
         "target_parameters": sum(p.numel() for p in model.target.model.parameters()),
-        # Which of DART's CPU matmuls bf16 targets run on (amx, avx512, avx2 or scalar).
+        # Which of DART's CPU matmuls bf16 targets run on (amx, avx512bf16, avx512, avx2
+        # or scalar).
         "cpu_matmul": _native.decoding_matmul_backend(),
     }
     if model.head is not None:

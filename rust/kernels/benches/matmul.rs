@@ -2,7 +2,7 @@
 //! plus the tied output projection (268 MB in bf16, more than most caches), per row count.
 //! `matmul/<backend>/<rows>` against `matmul/<backend>/1` is the cost of verifying a tree of
 //! that many tokens relative to one decoding step (linear layers only), for every backend this
-//! CPU runs (AMX tiles, AVX-512 or AVX2 FMAs).
+//! CPU runs (AMX tiles, AVX512-BF16 dot products, AVX-512 or AVX2 FMAs).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dart_kernels::{f32_to_bf16, Backend, PackedMatrix};
@@ -41,18 +41,10 @@ fn bench(c: &mut Criterion) {
     let bytes: usize = weights.iter().map(PackedMatrix::packed_bytes).sum();
     let mut group = c.benchmark_group("matmul");
     group.sample_size(20);
-    let mut backends = Vec::new();
-    if Backend::amx_available() {
-        backends.push(Backend::Amx);
-    }
-    if Backend::avx512_available() {
-        backends.push(Backend::Avx512);
-    }
-    if Backend::avx2_available() {
-        backends.push(Backend::Avx2);
-    }
-    if backends.is_empty() {
-        backends.push(Backend::Scalar);
+    // Every SIMD kernel this CPU runs (the scalar one only where there is none).
+    let mut backends = Backend::runnable();
+    if backends.len() > 1 {
+        backends.retain(|&b| b != Backend::Scalar);
     }
     for backend in backends {
         for rows in [1usize, 2, 4, 8, 16, 32, 64] {

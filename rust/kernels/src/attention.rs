@@ -114,10 +114,14 @@ impl Isa {
         Isa::of(crate::Backend::best())
     }
 
-    /// The attention that goes with a matmul backend: AMX CPUs run the AVX-512 one.
+    /// The attention that goes with a matmul backend: AMX and AVX512-BF16 CPUs run the
+    /// AVX-512 one.
     fn of(backend: crate::Backend) -> Isa {
         match backend {
-            crate::Backend::Amx | crate::Backend::Avx512 | crate::Backend::Auto => Isa::Avx512,
+            crate::Backend::Amx
+            | crate::Backend::Avx512Bf16
+            | crate::Backend::Avx512
+            | crate::Backend::Auto => Isa::Avx512,
             crate::Backend::Avx2 => Isa::Avx2,
             crate::Backend::Scalar => Isa::Scalar,
         }

@@ -59,13 +59,14 @@ pub fn silu_mul(gate: &[u16], up: &[u16], out: &mut [u16]) -> Result<()> {
 }
 
 /// Runs a kernel body compiled for the instruction set the matmul runs on
-/// ([`crate::Backend::best`]: AVX-512 on AMX and AVX-512 CPUs, AVX2, or the baseline; the same
-/// operations in the same order and no FMA contraction in each, so the same bits).
+/// ([`crate::Backend::best`]: AVX-512 on AMX, AVX512-BF16 and AVX-512 CPUs, AVX2, or the
+/// baseline; the same operations in the same order and no FMA contraction in each, so the
+/// same bits).
 macro_rules! vectorised {
     ($kernel:ident($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         match crate::Backend::best() {
-            crate::Backend::Amx | crate::Backend::Avx512 => {
+            crate::Backend::Amx | crate::Backend::Avx512Bf16 | crate::Backend::Avx512 => {
                 // SAFETY: Backend::best picks these only where AVX-512F/BW/VL run.
                 unsafe { avx512::$kernel($($arg),*) };
                 return Ok(());

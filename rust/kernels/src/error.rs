@@ -34,7 +34,7 @@ pub enum KernelError {
     #[error("the {0} backend is not available on this CPU")]
     Unavailable(&'static str),
     /// `DART_MAX_CPU_ISA` names no backend.
-    #[error("DART_MAX_CPU_ISA={0:?}: expected one of amx, avx512, avx2, scalar")]
+    #[error("DART_MAX_CPU_ISA={0:?}: expected one of amx, avx512bf16, avx512, avx2, scalar")]
     MaxIsa(String),
 }
 

@@ -36,6 +36,9 @@ pub const PANEL_COLUMNS: usize = 32;
 /// Rows multiplied per pass over a panel: 12 rows x 2 accumulators + 4 weight registers fill
 /// 28 of AVX-512's 32 registers. More rows take several passes (the panel is then in cache).
 pub const MAX_ROWS_PER_PASS: usize = 12;
+/// Rows per pass of the AVX512-BF16 kernel: 9-12 rows ran at less than half the speed of 8
+/// on a Zen 4 EPYC (two passes of 8 at 2.0x the FMA kernel's speed, one of 12 at 1.0x).
+pub const DOT_ROWS_PER_PASS: usize = 8;
 /// How far ahead of the loads the kernel prefetches (measured best of 0.5-4 KiB on SmolLM2).
 const PREFETCH_BYTES: usize = 4096;
 /// u16 per input pair of a panel: 32 outputs x 2 inputs.
@@ -59,6 +62,9 @@ pub enum Backend {
     Auto,
     /// AMX-BF16 tiles (x86-64 Linux, with AVX-512 for the conversions).
     Amx,
+    /// AVX512-BF16 dot products (`vdpbf16ps`: AMD Zen 4 and later, Intel Cooper Lake and
+    /// later), two inputs per instruction on the bf16 rows as they are; its own bits.
+    Avx512Bf16,
     /// AVX-512F/BW/VL (x86-64 only).
     Avx512,
     /// AVX2 and FMA (x86-64 only: AMD Zen 1-3, Intel client cores without AVX-512); the same
@@ -69,6 +75,18 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Whether the AVX512-BF16 kernel runs on this CPU.
+    pub fn avx512_bf16_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            avx512bf16::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     /// Whether the AVX-512 kernel runs on this CPU.
     pub fn avx512_available() -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -117,6 +135,7 @@ impl Backend {
     pub fn runnable() -> Vec<Backend> {
         [
             (Backend::Amx, Self::amx_available()),
+            (Backend::Avx512Bf16, Self::avx512_bf16_available()),
             (Backend::Avx512, Self::avx512_available()),
             (Backend::Avx2, Self::avx2_available()),
             (Backend::Scalar, true),
@@ -164,14 +183,16 @@ impl Backend {
             Backend::Scalar => 0,
             Backend::Avx2 => 1,
             Backend::Avx512 => 2,
-            Backend::Amx | Backend::Auto => 3,
+            Backend::Avx512Bf16 => 3,
+            Backend::Amx | Backend::Auto => 4,
         }
     }
 
     /// Every backend, in the order [`Backend::name`] lists them.
-    pub const ALL: [Backend; 5] = [
+    pub const ALL: [Backend; 6] = [
         Backend::Auto,
         Backend::Amx,
+        Backend::Avx512Bf16,
         Backend::Avx512,
         Backend::Avx2,
         Backend::Scalar,
@@ -182,6 +203,7 @@ impl Backend {
         match self {
             Backend::Auto => "auto",
             Backend::Amx => "amx",
+            Backend::Avx512Bf16 => "avx512bf16",
             Backend::Avx512 => "avx512",
             Backend::Avx2 => "avx2",
             Backend::Scalar => "scalar",
@@ -305,6 +327,9 @@ impl PackedMatrix {
             Backend::Amx if !Backend::amx_available() => {
                 return Err(KernelError::Unavailable("AMX-BF16"))
             }
+            Backend::Avx512Bf16 if !Backend::avx512_bf16_available() => {
+                return Err(KernelError::Unavailable("AVX512-BF16"))
+            }
             Backend::Avx512 if !Backend::avx512_available() => {
                 return Err(KernelError::Unavailable("AVX-512"))
             }
@@ -320,24 +345,31 @@ impl PackedMatrix {
             }
             v
         });
-        // AMX reads the rows as bf16 in whole blocks of inputs: `x` itself when its rows are
-        // exactly that long (the usual model widths), otherwise a zero-padded copy.
+        // AMX reads the rows as bf16 in whole blocks of inputs, the dot-product kernel in whole
+        // pairs: `x` itself when its rows are exactly that long (the usual model widths),
+        // otherwise a zero-padded copy.
         let padded_bf16: Vec<u16>;
         let xf: Vec<f32>;
-        let kernel = if backend == Backend::Amx {
-            let stride = self.panel_pairs * 2;
-            if stride == self.in_features {
-                Kernel::Amx { x, stride }
+        let bf16_stride = match backend {
+            Backend::Amx => Some(self.panel_pairs * 2),
+            Backend::Avx512Bf16 => Some(self.pairs * 2),
+            _ => None,
+        };
+        let kernel = if let Some(stride) = bf16_stride {
+            let x = if stride == self.in_features {
+                x
             } else {
                 let mut padded = vec![0u16; rows * stride];
                 for (dst, src) in padded.chunks_mut(stride).zip(x.chunks(self.in_features)) {
                     dst[..src.len()].copy_from_slice(src);
                 }
                 padded_bf16 = padded;
-                Kernel::Amx {
-                    x: &padded_bf16,
-                    stride,
-                }
+                &padded_bf16
+            };
+            if backend == Backend::Amx {
+                Kernel::Amx { x, stride }
+            } else {
+                Kernel::Dot { x, stride }
             }
         } else {
             // Inputs as f32, each row padded to whole pairs.
@@ -398,6 +430,8 @@ struct Job<'a> {
 enum Kernel<'a> {
     /// Tiles over bf16 rows padded to whole blocks.
     Amx { x: &'a [u16], stride: usize },
+    /// AVX512-BF16 dot products over bf16 rows padded to whole pairs.
+    Dot { x: &'a [u16], stride: usize },
     /// The FMA chain over f32 rows padded to whole pairs, by `backend` (AVX-512, AVX2 or
     /// scalar: the same bits).
     Fma {
@@ -423,21 +457,42 @@ impl Job<'_> {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx { .. } => unreachable!("AMX is x86-64 only"),
-            Kernel::Fma { x, stride, backend } => self.run_fma(x, stride, backend, panels),
+            Kernel::Fma { x, stride, backend } => {
+                self.run_passes(x, stride, MAX_ROWS_PER_PASS, panels, |tile| match backend {
+                    // SAFETY: matmul_with runs these backends only where they are available.
+                    #[cfg(target_arch = "x86_64")]
+                    Backend::Avx512 => unsafe { avx512::tile(tile) },
+                    #[cfg(target_arch = "x86_64")]
+                    Backend::Avx2 => unsafe { avx2::tile(tile) },
+                    _ => tile.scalar(),
+                })
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Dot { x, stride } => {
+                // SAFETY: a Dot job is only built when avx512bf16::available().
+                self.run_passes(x, stride, DOT_ROWS_PER_PASS, panels, |tile| unsafe {
+                    avx512bf16::tile(tile)
+                })
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Dot { .. } => unreachable!("AVX512-BF16 is x86-64 only"),
         }
     }
 
-    fn run_fma(
+    /// Every panel times the rows of `x` (`x_stride` elements apart) in near-equal passes of
+    /// at most `per_pass` rows, each pass one `kernel` call.
+    fn run_passes<X>(
         &self,
-        x: &[f32],
+        x: &[X],
         x_stride: usize,
-        backend: Backend,
+        per_pass: usize,
         panels: std::ops::Range<usize>,
+        kernel: impl Fn(&Tile<'_, X>),
     ) {
         let m = self.matrix;
-        // Rows in near-equal passes of at most MAX_ROWS_PER_PASS (16 rows: 8 + 8 measured 8%
+        // Near-equal passes (for the FMA kernel 16 rows as 8 + 8 measured 8%
         // faster than 12 + 4).
-        let passes = self.rows.div_ceil(MAX_ROWS_PER_PASS);
+        let passes = self.rows.div_ceil(per_pass);
         for panel in panels {
             let weights = lines_as_u16(m.panel_lines(panel));
             let first_column = panel * PANEL_COLUMNS;
@@ -448,7 +503,7 @@ impl Job<'_> {
             let mut row = 0;
             for pass in 0..passes {
                 let count = self.rows / passes + usize::from(pass < self.rows % passes);
-                let tile = Tile {
+                kernel(&Tile {
                     x: &x[row * x_stride..(row + count) * x_stride],
                     x_stride,
                     weights,
@@ -460,24 +515,16 @@ impl Job<'_> {
                     out_stride: m.out_features,
                     columns,
                     rows: count,
-                };
-                match backend {
-                    // SAFETY: matmul_with runs these backends only where they are available.
-                    #[cfg(target_arch = "x86_64")]
-                    Backend::Avx512 => unsafe { avx512::tile(&tile) },
-                    #[cfg(target_arch = "x86_64")]
-                    Backend::Avx2 => unsafe { avx2::tile(&tile) },
-                    _ => tile.scalar(),
-                }
+                });
                 row += count;
             }
         }
     }
 }
 
-/// A block of rows times one panel.
-struct Tile<'a> {
-    x: &'a [f32],
+/// A block of rows (f32 for the FMA chain, bf16 bits for the dot products) times one panel.
+struct Tile<'a, X> {
+    x: &'a [X],
     x_stride: usize,
     weights: &'a [u16],
     pairs: usize,
@@ -488,7 +535,7 @@ struct Tile<'a> {
     rows: usize,
 }
 
-impl Tile<'_> {
+impl Tile<'_, f32> {
     /// The definition: the same FMAs in the same order as the SIMD kernel.
     fn scalar(&self) {
         for r in 0..self.rows {
@@ -523,7 +570,7 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512F/BW/VL; `tile` must describe valid memory (Job::run).
-    pub unsafe fn tile(tile: &Tile<'_>) {
+    pub unsafe fn tile(tile: &Tile<'_, f32>) {
         match tile.rows {
             1 => kernel::<1>(tile),
             2 => kernel::<2>(tile),
@@ -542,7 +589,7 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn kernel<const R: usize>(tile: &Tile<'_>) {
+    unsafe fn kernel<const R: usize>(tile: &Tile<'_, f32>) {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         if let Some(bias) = tile.bias {
             let lo = _mm512_loadu_ps(bias.as_ptr());
@@ -600,6 +647,95 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod avx512bf16 {
+    //! The AVX-512 kernel's panel walk with `vdpbf16ps`: one instruction multiplies a row's
+    //! pair of inputs `(2p, 2p+1)` (one 32-bit lane, broadcast) by 16 outputs' weight pairs
+    //! (the packed layout's lanes as they are) and adds both products, where the FMA chain
+    //! converts the weights to f32 and spends two FMAs. Each output is `bias` (or 0), then per
+    //! pair the product of input `2p+1`, then of input `2p`, each added and rounded as an f32
+    //! FMA with denormal inputs and results flushed to zero (the instruction's definition,
+    //! spelled out by the tests' `dot_product`): its own bits, the same for a row alone as in
+    //! a tree.
+
+    use super::{Tile, PAIR_STRIDE, PREFETCH_BYTES};
+    use crate::simd::{lanes, to_bf16};
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        super::avx512::available() && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    /// Dispatches on the row count so each kernel keeps its accumulators in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VL and AVX512-BF16; `tile` must describe valid memory.
+    pub unsafe fn tile(tile: &Tile<'_, u16>) {
+        match tile.rows {
+            1 => kernel::<1>(tile),
+            2 => kernel::<2>(tile),
+            3 => kernel::<3>(tile),
+            4 => kernel::<4>(tile),
+            5 => kernel::<5>(tile),
+            6 => kernel::<6>(tile),
+            7 => kernel::<7>(tile),
+            8 => kernel::<8>(tile),
+            n => unreachable!("a pass has at most 8 rows, got {n}"),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn kernel<const R: usize>(tile: &Tile<'_, u16>) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        if let Some(bias) = tile.bias {
+            let lo = _mm512_loadu_ps(bias.as_ptr());
+            let hi = _mm512_loadu_ps(bias.as_ptr().add(16));
+            for row in acc.iter_mut() {
+                *row = [lo, hi];
+            }
+        }
+        let w = tile.weights.as_ptr();
+        let x = tile.x.as_ptr();
+        for p in 0..tile.pairs {
+            let pair = w.add(p * PAIR_STRIDE);
+            // wrapping_add: the prefetch address may lie past the matrix (prefetches never fault).
+            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES));
+            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES + 64));
+            let weights: [__m512bh; 2] = [
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(pair.cast())),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(pair.add(32).cast())),
+            ];
+            for (r, row) in acc.iter_mut().enumerate() {
+                // The row's inputs 2p (low half) and 2p+1 (high half) in every lane.
+                let inputs = x
+                    .add(r * tile.x_stride + 2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                let inputs = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(inputs));
+                for half in 0..2 {
+                    row[half] = _mm512_dpbf16_ps(row[half], inputs, weights[half]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (half, &v) in row.iter().enumerate() {
+                let first = half * 16;
+                if first >= tile.columns {
+                    break;
+                }
+                let dst = tile.out.add(r * tile.out_stride + first);
+                let packed = to_bf16(v);
+                let valid = tile.columns - first;
+                if valid >= 16 {
+                    _mm256_storeu_si256(dst.cast(), packed);
+                } else {
+                    _mm256_mask_storeu_epi16(dst.cast(), lanes(valid), packed);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! The AVX-512 kernel's FMA chain on 8 lanes. A panel's 32 outputs are four quarters of
     //! 8 (one register each); a pass multiplies `Q` quarters of `R` rows over every input pair,
@@ -625,7 +761,7 @@ mod avx2 {
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA; `tile` must describe valid memory (Job::run).
-    pub unsafe fn tile(tile: &Tile<'_>) {
+    pub unsafe fn tile(tile: &Tile<'_, f32>) {
         match tile.rows {
             1 => kernel::<1, 4>(tile),
             2 => kernel::<2, 4>(tile),
@@ -646,7 +782,7 @@ mod avx2 {
     /// `R` rows, `Q` quarters per pass. Quarters past the tile's columns (the last panel)
     /// are computed from the zero padding and not written.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kernel<const R: usize, const Q: usize>(tile: &Tile<'_>) {
+    unsafe fn kernel<const R: usize, const Q: usize>(tile: &Tile<'_, f32>) {
         let high_half = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
         let w = tile.weights.as_ptr();
         let x = tile.x.as_ptr();
@@ -1066,6 +1202,50 @@ mod tests {
             fma_kernel_equals_scalar(Backend::Avx2, case, threads)?;
         }
 
+        /// The AVX512-BF16 kernel computes `vdpbf16ps`'s definition exactly (`dot_product`),
+        /// on any number of threads and row counts past one pass, on general values.
+        #[test]
+        #[cfg_attr(not(dart_cpu_avx512bf16), ignore = "needs AVX512-BF16, which this CPU lacks")]
+        fn avx512_bf16_is_the_dot_product(
+            (n, k, rows, w, x, bias) in general_case(),
+            threads in 1usize..4,
+        ) {
+            assert!(Backend::avx512_bf16_available(), "built for AVX512-BF16 but it does not run here");
+            let m = PackedMatrix::pack(&w, n, k).unwrap();
+            let mut got = vec![0xFFFFu16; rows * n];
+            m.matmul_with(Backend::Avx512Bf16, &x, rows, bias.as_deref(), &mut got, threads)
+                .unwrap();
+            prop_assert_eq!(got, dot_product(&w, n, k, &x, rows, bias.as_deref()));
+        }
+
+        /// The same where flushing to zero shows: denormal inputs, and magnitudes (2^-77 to
+        /// 2^-47) whose products and sums straddle f32's smallest normal, 2^-126.
+        #[test]
+        #[cfg_attr(not(dart_cpu_avx512bf16), ignore = "needs AVX512-BF16, which this CPU lacks")]
+        fn avx512_bf16_flushes_denormals_as_defined(
+            (n, k, rows) in (1usize..40, 1usize..60, 1usize..14),
+            seed in any::<u64>(),
+        ) {
+            let mut state = seed | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let sign = (state & 1) as u16;
+                let exponent = match (state >> 1) % 8 {
+                    0 => 0, // a denormal (or zero)
+                    _ => 50 + ((state >> 4) % 31) as u16, // 2^-77..2^-47
+                };
+                (sign << 15) | (exponent << 7) | ((state >> 40) & 0x7F) as u16
+            };
+            let w: Vec<u16> = (0..n * k).map(|_| next()).collect();
+            let x: Vec<u16> = (0..rows * k).map(|_| next()).collect();
+            let m = PackedMatrix::pack(&w, n, k).unwrap();
+            let mut got = vec![0u16; rows * n];
+            m.matmul_with(Backend::Avx512Bf16, &x, rows, None, &mut got, 1).unwrap();
+            prop_assert_eq!(got, dot_product(&w, n, k, &x, rows, None));
+        }
+
         /// The AMX kernel is the product within f32 accumulation error, gives the same bits
         /// on any number of threads, and a row's bits do not depend on the rows beside it
         /// (row counts past one pass of 32 included), on general values.
@@ -1142,6 +1322,44 @@ mod tests {
         }
     }
 
+    /// `vdpbf16ps`'s definition, one output at a time from the unpacked weight: per input
+    /// pair, `acc += x[2p+1] * w[2p+1]`, then `acc += x[2p] * w[2p]`, each an f32 FMA with
+    /// denormal inputs read as zero and a denormal result flushed to zero (signs kept);
+    /// rounded to bf16 once at the end.
+    fn dot_product(
+        w: &[u16],
+        n: usize,
+        k: usize,
+        x: &[u16],
+        rows: usize,
+        bias: Option<&[u16]>,
+    ) -> Vec<u16> {
+        let flush = |v: f32| {
+            if v.is_subnormal() {
+                0.0f32.copysign(v)
+            } else {
+                v
+            }
+        };
+        // An odd `k`'s last pair is padded with +0 (which turns an accumulated -0 into +0).
+        let input = |row: &[u16], i: usize| row.get(i).map_or(0.0, |&b| flush(bf16_to_f32(b)));
+        let mut out = vec![0u16; rows * n];
+        for r in 0..rows {
+            let xr = &x[r * k..(r + 1) * k];
+            for c in 0..n {
+                let wc = &w[c * k..(c + 1) * k];
+                let mut acc = bias.map_or(0.0, |b| bf16_to_f32(b[c]));
+                for p in 0..k.div_ceil(2) {
+                    for i in [2 * p + 1, 2 * p] {
+                        acc = flush(input(xr, i).mul_add(input(wc, i), acc));
+                    }
+                }
+                out[r * n + c] = f32_to_bf16(acc);
+            }
+        }
+        out
+    }
+
     /// Backends this CPU runs (the scalar one everywhere).
     fn runnable_backends() -> Vec<Backend> {
         let mut out = vec![Backend::Scalar];
@@ -1150,6 +1368,9 @@ mod tests {
         }
         if Backend::avx512_available() {
             out.push(Backend::Avx512);
+        }
+        if Backend::avx512_bf16_available() {
+            out.push(Backend::Avx512Bf16);
         }
         if Backend::amx_available() {
             out.push(Backend::Amx);

@@ -82,7 +82,7 @@ impl PyPackedMatrix {
 
     /// `x @ weight.T + bias`, `x` `(..., in)`, into `out` `(..., out)` when given, else into
     /// a new array; returns it. `bias` `(out,)`; all uint16 bf16 bits, C-contiguous.
-    /// `backend`: "auto", "amx", "avx512", "avx2" or "scalar".
+    /// `backend`: "auto", "amx", "avx512bf16", "avx512", "avx2" or "scalar".
     #[pyo3(signature = (x, out=None, bias=None, threads=1, backend="auto"))]
     fn matmul<'py>(
         &self,
@@ -441,8 +441,8 @@ fn decoding_matmul_simd() -> PyResult<bool> {
     Ok(Backend::any_simd_available())
 }
 
-/// The kernel `PackedMatrix.matmul(backend="auto")` runs on this CPU: "amx", "avx512",
-/// "avx2" or "scalar" (the best it has, at most what `DART_MAX_CPU_ISA` names).
+/// The kernel `PackedMatrix.matmul(backend="auto")` runs on this CPU: "amx", "avx512bf16",
+/// "avx512", "avx2" or "scalar" (the best it has, at most what `DART_MAX_CPU_ISA` names).
 #[pyfunction]
 fn decoding_matmul_backend() -> PyResult<&'static str> {
     Backend::max_isa().map_err(to_py_err)?;
