@@ -356,6 +356,7 @@ class DartModel:
         *,
         mode: str = "dart",
         max_batch: int | None = None,
+        admit_together: bool | str = "auto",
         **overrides: Any,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids) at once, fused: per step one head
@@ -365,11 +366,14 @@ class DartModel:
         most ``max_batch`` (default: all) run at once, the others joining as rows free up.
         ``tree_budget="auto"`` is tuned for that many rows, and as rows finish the rest take
         the budget of the smallest tuned batch size that holds them (a lone sequence's once
-        :meth:`tune` has measured it). For requests that come and go, use
+        :meth:`tune` has measured it). ``admit_together``: prefill the prompts that join at
+        one step in one forward (``"auto"``: on cuda). For requests that come and go, use
         :meth:`batch_generator`."""
         rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
         config = self._resolved(config_from(config, overrides), mode, max(1, rows))
-        return generate_batch(self, prompts, config, mode=mode, max_batch=max_batch)
+        return generate_batch(
+            self, prompts, config, mode=mode, max_batch=max_batch, admit_together=admit_together
+        )
 
     def batch_generator(
         self,
@@ -378,15 +382,22 @@ class DartModel:
         max_batch: int = 8,
         max_length: int = 2048,
         static: bool | str = "auto",
+        admit_together: bool | str = "auto",
     ) -> BatchGenerator:
         """A :class:`~dart_client.decoding.batch.BatchGenerator` (continuous batching) over
         this model; configs given to its ``add`` take :meth:`resolve_config` first (with
         ``batch=max_batch``), or keep ``tree_budget="auto"`` to have each step's trees sized
         for the rows live then (from the tunings held: :meth:`tune` for 1, 2, 4, ...
         ``max_batch`` rows first). ``static``: the static path (``"auto"``: on one cuda
-        device)."""
+        device); ``admit_together``: prefill the requests joining at one step in one forward
+        (``"auto"``: on cuda)."""
         return BatchGenerator(
-            self, mode=mode, max_batch=max_batch, max_length=max_length, static=static
+            self,
+            mode=mode,
+            max_batch=max_batch,
+            max_length=max_length,
+            static=static,
+            admit_together=admit_together,
         )
 
     def resolve_config(

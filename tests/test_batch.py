@@ -56,6 +56,8 @@ class Truths:
         self.rng = np.random.default_rng(seed)
         self.depth = depth
         self.batches = 0
+        #: The draft rows each context was first pruned with (what the head drafted there).
+        self.drafts: dict[tuple[int, ...], DraftRows] = {}
 
     def continuation(self, context: np.ndarray) -> list[int]:
         tail = [int(t) for t in context]
@@ -66,6 +68,7 @@ class Truths:
         return []
 
     def build(self, context: np.ndarray, rows: DraftRows, budget: int) -> Tree:
+        self.drafts.setdefault(tuple(int(t) for t in context), rows)
         true = self.continuation(context)
         k = int(self.rng.integers(0, len(true) + 1))
         wrong = self.rng.integers(3, TINY_VOCAB, size=self.depth).tolist()
@@ -99,10 +102,16 @@ def alone(dm: DartModel, prompt: Sequence[int], mode: str, **kwargs: Any) -> lis
 STATIC = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 
 
+#: Requests joining at one step prefilled each alone (the CPU's default) or together in one
+#: forward (cuda's).
+ADMISSION = pytest.mark.parametrize("admit", [False, True], ids=["alone", "together"])
+
+
 @STATIC
+@ADMISSION
 @pytest.mark.parametrize("mode", ["ar", "dart"])
 def test_greedy_batch_equals_each_prompt_alone_with_the_pruner(
-    mode: str, static: bool, target: Any, head: DartHead, tiny_ngram_path: Any
+    mode: str, admit: bool, static: bool, target: Any, head: DartHead, tiny_ngram_path: Any
 ) -> None:
     from dart_client.ngram import NGram
 
@@ -110,7 +119,9 @@ def test_greedy_batch_equals_each_prompt_alone_with_the_pruner(
     # Ragged prompts (1 to 39 tokens); max_new 1 ends a row at its first token.
     prompts = random_prompts(6, seed=3)
     for max_new in (1, 9, 30):
-        got = dm.generate_batch(prompts, mode=mode, max_new_tokens=max_new, static=static)
+        got = dm.generate_batch(
+            prompts, mode=mode, max_new_tokens=max_new, static=static, admit_together=admit
+        )
         for prompt, result in zip(prompts, got, strict=True):
             assert result.tokens == alone(dm, prompt, mode, max_new_tokens=max_new)
             assert result.mode == mode
@@ -132,6 +143,94 @@ def test_greedy_batch_with_long_accepted_paths_equals_alone(
     steps = [a for r in got for a in r.accept_lengths[1:]]
     assert max(steps) >= 4 and min(steps) == 1
     assert builder.batches < sum(r.steps for r in got)
+
+
+@STATIC
+@pytest.mark.parametrize("mode", ["ar", "dart"])
+def test_requests_joining_together_are_prefilled_in_one_forward(
+    mode: str, static: bool, target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several requests joining at one step (ragged prompts, one of a single token, one that
+    ends at its first token) take one prefill forward, into free rows beside live ones
+    (whose caches reach further: the new rows' positions start at 0 all the same); every
+    output equals its prompt alone, and the head's cache rows hold what the head reading
+    each prompt alone would."""
+    dm = DartModel(target, head, tree_builder=None)
+    prompts = [*random_prompts(5, seed=21), [7]]
+    news = [20, 12, 1, 16, 9, 14]
+    truths = [p + alone(dm, p, "ar", max_new_tokens=n) for p, n in zip(prompts, news, strict=True)]
+    dm.tree_builder = Truths(truths, seed=4)
+    batch = dm.batch_generator(
+        mode=mode, max_batch=5, max_length=96, static=static, admit_together=True
+    )
+    widths = []
+    forward = type(dm.target).forward
+
+    def counted(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        widths.append(tuple(input_ids.shape))
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(dm.target), "forward", counted)
+    config = dm.resolve_config(GenerationConfig(max_new_tokens=news[0], tree_budget=8))
+    ids = {batch.add(config, input_ids=prompts[0]): 0}
+    batch.step()
+    batch.step()
+    for i in range(1, len(prompts)):
+        config = dm.resolve_config(GenerationConfig(max_new_tokens=news[i], tree_budget=8))
+        ids[batch.add(config, input_ids=prompts[i])] = i
+    widths.clear()
+    events = batch.step()
+    # The four that fit joined in one prefill of the longest prompt's width.
+    joined = [len(p) for p in prompts[1:5]]
+    assert (4, max(joined)) in widths
+    assert not any(shape[0] == 1 and shape[1] > 1 for shape in widths if shape != (4, max(joined)))
+    assert {request for request, _ in events} >= {r for r, i in ids.items() if 1 <= i <= 4}
+    results = drain(batch)
+    assert len(results) == len(prompts)
+    for request, result in results.items():
+        i = ids[request]
+        assert result.tokens == truths[i][len(prompts[i]) :], f"request {i}"
+    if mode == "dart":
+        # The head read each prompt as alone: every context drafts what it drafts alone.
+        together = dm.tree_builder.drafts
+        lone = Truths(truths, seed=4)
+        dm.tree_builder = lone
+        for prompt, new in zip(prompts, news, strict=True):
+            dm.generate(input_ids=prompt, max_new_tokens=new, tree_budget=8, static=static)
+        shared = together.keys() & lone.drafts.keys()
+        assert len(shared) >= 5
+        for context in shared:
+            assert np.array_equal(together[context].ids, lone.drafts[context].ids), context
+            np.testing.assert_allclose(together[context].probs, lone.drafts[context].probs, 1e-9)
+
+
+def test_an_admission_forward_takes_at_most_its_token_budget(
+    target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts padded to the longest cost their count times its length: the waiting ones
+    are admitted in order, a forward taking as many as fit ADMIT_TOGETHER_TOKENS (a prompt
+    that fits with none is prefilled alone), and the outputs still equal each alone."""
+    from dart_client.decoding import batch as batch_module
+
+    dm = DartModel(target, head, tree_builder=None)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (10, 3, 12, 5, 30)]
+    truths = [p + alone(dm, p, "ar", max_new_tokens=6) for p in prompts]
+    dm.tree_builder = Truths(truths, seed=2)
+    monkeypatch.setattr(batch_module, "ADMIT_TOGETHER_TOKENS", 24)
+    shapes = []
+    forward = type(dm.target).forward
+
+    def counted(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(input_ids.shape))
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(dm.target), "forward", counted)
+    got = dm.generate_batch(prompts, max_new_tokens=6, tree_budget=4, admit_together=True)
+    # [10, 3] (2 x 10), [12, 5] (2 x 12), then 30 alone (its own prefill).
+    assert shapes[:3] == [(2, 10), (2, 12), (1, 30)]
+    for prompt, truth, result in zip(prompts, truths, got, strict=True):
+        assert result.tokens == truth[len(prompt) :]
 
 
 @STATIC

@@ -403,6 +403,7 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
             "--batch-tree-budget", "auto",
             "--clock", "thread",
             "--continuous",
+            "--admission", "together",
             "--output", str(out),
         ]
     )  # fmt: skip
@@ -418,6 +419,7 @@ def test_batched_benchmark_on_a_tiny_model(tiny_model: DartModel, tmp_path: Path
     assert tuning["batch"] == 2 and summary["batch_tree_budget"] == tuning["best_budget"]
     assert summary["dart-x2 over dart-x1"] > 0 and summary["clock"] == "thread"
     assert summary["continuous"] and len(json.loads(out.read_text())["groups"]) == 1
+    assert summary["admission"] == "together"
 
 
 def test_the_batched_benchmark_weighs_each_divergence_against_the_targets_margin(

@@ -40,7 +40,7 @@ import torch
 from dart_client.decoding.accept import accept_greedy, accept_sampling
 from dart_client.decoding.autotune import budget_for_rows
 from dart_client.decoding.config import GenerationConfig
-from dart_client.decoding.draft import DraftRows, draft_rows_batch
+from dart_client.decoding.draft import DraftRows, draft_rows_batch, left_padded
 from dart_client.decoding.loop import (
     STAGES,
     DecodingModel,
@@ -67,6 +67,11 @@ if TYPE_CHECKING:
     from dart_client.models.target import TargetCache
 
 
+#: The most tokens (prompts padded to the longest, times their count) one admission forward
+#: takes (:meth:`BatchGenerator._together_count`).
+ADMIT_TOGETHER_TOKENS = 8192
+
+
 @dataclass
 class _Row:
     """A live sequence: its generation state and what its next draft reads."""
@@ -88,7 +93,9 @@ class BatchGenerator:
     ``max_length`` bounds prompt + new tokens of every request (the batched caches are
     allocated for it); ``max_batch`` bounds the live rows (more requests wait their turn);
     ``static``: verify on the static path (``"auto"``: on one cuda device;
-    ``GenerationConfig.static``).
+    ``GenerationConfig.static``); ``admit_together``: prefill the requests that join at one
+    step in one forward (:meth:`_admit_together`; ``"auto"``: on cuda, where a forward costs
+    its launches) instead of each alone.
 
     A request whose ``tree_budget`` is ``"auto"`` takes, at every step, the per-row budget
     tuned for the number of rows live then (:func:`~dart_client.decoding.autotune.
@@ -104,6 +111,7 @@ class BatchGenerator:
         max_batch: int = 8,
         max_length: int = 2048,
         static: bool | str = "auto",
+        admit_together: bool | str = "auto",
     ) -> None:
         if mode not in ("dart", "ar"):
             raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
@@ -134,6 +142,14 @@ class BatchGenerator:
         if self.head is None:
             tree = 1
         self.static = resolve_static(static, target.layer_devices())
+        if admit_together not in (True, False, "auto"):
+            raise InvalidArgumentError(
+                f"admit_together = {admit_together!r}; expected True, False or 'auto'"
+            )
+        #: Whether requests joining at one step are prefilled in one forward.
+        self.admit_together = (
+            self.device.type == "cuda" if admit_together == "auto" else bool(admit_together)
+        )
         self.max_tree = tree
         #: The static path's verifier, made at the first step (the cache's rows exist then).
         self.verifier: StaticBatchVerifier | None = None
@@ -275,23 +291,23 @@ class BatchGenerator:
 
     @torch.no_grad()
     def _admit(self) -> list[tuple[int, StreamEvent]]:
-        """Prefill waiting requests into free rows, each alone (its cache is a lone
-        generation's), and emit their first tokens."""
+        """Prefill waiting requests into free rows and emit their first tokens: each alone
+        (its cache is a lone generation's), or with :attr:`admit_together` as many at a time
+        as fit in one forward (:meth:`_admit_together`)."""
         events = []
         while self.waiting and len(self.rows) < self.max_batch:
+            take = self._together_count() if self.admit_together else 1
+            if take > 1:
+                events += self._admit_together(take)
+                continue
             request, run = self.waiting.popleft()
             start = run._clock()
             prompt = run.prompt
             with self._prefilled(prompt) as (last, taps, single, static):
-                first = run._pick(last)
-                event = run._emit([first], 1, 0, {}, last.unsqueeze(0))
-                if run.finish is not None:
-                    run.timings["prefill"] += run._clock() - start
-                    self.finished[request] = run.result(start)
-                    self._auto.discard(request)
-                    events.append((request, event))
+                event, row, first = self._first_token(request, run, start, last)
+                events.append((request, event))
+                if row is None:
                     continue
-                row = _Row(request, run, start)
                 slot = len(self.rows)
                 self.cache.put_row(slot, single)
                 if static is not None and static.head_cache is not None:
@@ -316,7 +332,101 @@ class BatchGenerator:
                 row.taps, row.next_ids = taps[0, -1:], [first]
             self.rows.append(row)
             run.timings["prefill"] += run._clock() - start
+        return events
+
+    def _together_count(self) -> int:
+        """How many of the waiting requests the next admission forward takes: as many as
+        there are free rows, while their prompts padded to the longest stay within
+        :data:`ADMIT_TOGETHER_TOKENS` (a long prompt beside short ones would pad them all to
+        its length: attention's scores grow with the square of it)."""
+        free = self.max_batch - len(self.rows)
+        width = count = 0
+        for _, run in itertools.islice(self.waiting, free):
+            width = max(width, len(run.prompt))
+            if (count + 1) * width > ADMIT_TOGETHER_TOKENS:
+                break
+            count += 1
+        return max(count, 1)
+
+    def _first_token(
+        self, request: int, run: _Run, start: float, last: torch.Tensor
+    ) -> tuple[StreamEvent, _Row | None, int]:
+        """The first token picked from the prefill's ``last`` logits and emitted: the event,
+        the row the request goes on in (None: it finished already, with its result) and the
+        token."""
+        first = run._pick(last)
+        event = run._emit([first], 1, 0, {}, last.unsqueeze(0))
+        if run.finish is None:
+            return event, _Row(request, run, start), first
+        run.timings["prefill"] += run._clock() - start
+        self.finished[request] = run.result(start)
+        self._auto.discard(request)
+        return event, None, first
+
+    def _admit_together(self, take: int) -> list[tuple[int, StreamEvent]]:
+        """The next ``take`` waiting prompts prefilled in one forward, left-padded to the
+        longest (each at its own positions, seeing only itself: :func:`left_padded`), the
+        head reading them in one forward too, then copied into free rows; each row's first
+        draft comes with the next step's. One forward instead of ``take`` pays where a
+        forward costs its launches more than its arithmetic (a GPU: on the static path each
+        lone prefill is several programs). A row's numbers are then those of a batched
+        forward, equal to a lone prefill's in exact arithmetic, in bf16 up to rounding."""
+        taken = [self.waiting.popleft() for _ in range(take)]
+        start = taken[0][1]._clock()
+        prompts = [run.prompt for _, run in taken]
+        width = max(len(p) for p in prompts)
+        pads = [width - len(p) for p in prompts]
+        device = self.device
+        ids = torch.zeros((take, width), dtype=torch.long)
+        for b, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
+            ids[b, pad:] = torch.tensor(prompt, dtype=torch.long)
+        ids = ids.to(device)
+        positions, sees = left_padded(pads, width, device)
+        together = self.target.new_cache(width, take)
+        logits, taps = self.target.forward(
+            ids, positions, together, tree_mask=sees, logits_to_keep=1, taps=self.head is not None
+        )
+        head_together = None
+        if self.head is not None and width > 1:
+            assert taps is not None
+            # The head reads every prompt position but the last (with the token after it);
+            # the last joins the row's first batched draft, as after a lone prefill.
+            head_together = self.head.new_cache(width - 1, take)
+            head_positions, head_sees = left_padded(pads, width - 1, device)
+            dtype = self.head.fc.weight.dtype
+            mask = torch.zeros(head_sees.shape, dtype=dtype, device=device)
+            mask.masked_fill_(~head_sees, torch.finfo(dtype).min)
+            self.head(
+                taps[:, :-1].to(dtype),
+                ids[:, 1:],
+                head_together,
+                num_masks=0,
+                positions=head_positions,
+                mask=mask.unsqueeze(1),
+            )
+        events = []
+        admitted = []
+        for b, (request, run) in enumerate(taken):
+            event, row, first = self._first_token(request, run, start, logits[b, -1])
             events.append((request, event))
+            if row is None:
+                continue
+            slot = len(self.rows)
+            n = len(run.prompt)
+            self.cache.put_row(slot, together, source_row=b, span=(pads[b], n))
+            if self.head is not None:
+                assert taps is not None and self.head_cache is not None
+                if head_together is None:  # one-token prompts: nothing for the head yet
+                    self.head_cache.put_row(slot, self.head.new_cache(1))
+                else:
+                    self.head_cache.put_row(
+                        slot, head_together, source_row=b, span=(pads[b], n - 1)
+                    )
+                row.taps, row.next_ids = taps[b, -1:], [first]
+            self.rows.append(row)
+            admitted.append(run)
+        for run in admitted:
+            run.timings["prefill"] += run._clock() - start
         return events
 
     @contextlib.contextmanager
@@ -501,18 +611,25 @@ def generate_batch(
     *,
     mode: str = "dart",
     max_batch: int | None = None,
+    admit_together: bool | str = "auto",
 ) -> list[GenerationResult]:
     """Generate for every prompt (text, or token ids) together, fused: the results in
     order. At most ``max_batch`` (default: all) are decoded at once; the others take the
     rows the finished ones free. ``config.tree_budget`` must be resolved
-    (``DartModel.generate_batch`` does it). Every prompt is validated before anything runs."""
+    (``DartModel.generate_batch`` does it); ``admit_together``: :class:`BatchGenerator`'s.
+    Every prompt is validated before anything runs."""
     if not prompts:
         return []
     limit = model.target.max_positions
     max_length = config.max_length if limit is None else min(config.max_length, limit)
     rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
     batch = BatchGenerator(
-        model, mode=mode, max_batch=rows, max_length=max_length, static=config.static
+        model,
+        mode=mode,
+        max_batch=rows,
+        max_length=max_length,
+        static=config.static,
+        admit_together=admit_together,
     )
     ids = []
     for i, prompt in enumerate(prompts):

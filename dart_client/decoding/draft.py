@@ -54,6 +54,22 @@ def draft_rows(
     return top_k_draft(head, logits, k)
 
 
+def left_padded(
+    pads: Sequence[int], n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths in one ``(b, n)`` block, each right-aligned after ``pads[b]``
+    padding slots (so every row's last entries are the block's last columns): each slot's
+    offset from its row's first real slot ``(b, n)`` (0 on padding), and who sees whom
+    ``(b, query, key)``: a real slot sees its row's real slots up to itself, a padding slot
+    only itself (a well-defined softmax), and nothing sees a padding slot."""
+    pad = torch.tensor(list(pads), dtype=torch.long, device=device).unsqueeze(1)
+    slot = torch.arange(n, device=device).unsqueeze(0)
+    real = slot >= pad
+    sees = (slot.unsqueeze(2) >= slot.unsqueeze(1)) & real.unsqueeze(1)
+    sees |= torch.eye(n, dtype=torch.bool, device=device)
+    return (slot - pad).clamp_min(0), sees
+
+
 def top_k_draft(head: DartHead, logits: torch.Tensor, k: int) -> DraftRows:
     """The top-k of draft ``logits`` (rows, draft_vocab) as :class:`DraftRows`."""
     k = min(k, logits.shape[-1])
@@ -101,13 +117,9 @@ def draft_rows_batch(
     for row, (t, nxt, pad) in enumerate(zip(taps, next_ids, pads, strict=True)):
         padded[row, pad:] = t.to(dtype)
         ids[row, pad:] = torch.tensor(list(nxt), dtype=torch.long)
-    pad = torch.tensor(pads, dtype=torch.long, device=device).unsqueeze(1)
-    slot = torch.arange(n, device=device).unsqueeze(0)
-    real = slot >= pad  # (b, n): not padding
-    positions = lengths.unsqueeze(1) + (slot - pad).clamp_min(0)
+    offsets, sees = left_padded(pads, n, device)
+    positions = lengths.unsqueeze(1) + offsets
     past = cache.length
-    sees = (slot.unsqueeze(2) >= slot.unsqueeze(1)) & real.unsqueeze(1)  # (b, query, key)
-    sees |= torch.eye(n, dtype=torch.bool, device=device)
     blocked = torch.finfo(dtype).min
     mask = torch.zeros((b, n, past + n), dtype=dtype, device=cache_device)
     mask[:, :, past:].masked_fill_(~sees, blocked)

@@ -536,17 +536,25 @@ class HeadCache:
         self.rows.grow(counts)
         self._set_rows()
 
-    def put_row(self, row: int, source: HeadCache) -> None:
-        """Copy ``source`` (one sequence) into ``row``: a live row or the next free one."""
+    def put_row(
+        self,
+        row: int,
+        source: HeadCache,
+        *,
+        source_row: int = 0,
+        span: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy ``source`` (one sequence) into ``row``: a live row or the next free one;
+        ``source_row`` and ``span`` (start, length) as :meth:`TargetCache.put_row` takes them."""
         if not 0 <= row <= len(self.rows) or row >= self.batch:
             raise ValueError(f"row {row} of a head cache of {len(self.rows)} live rows")
-        n = source.length
+        start, n = (0, source.length) if span is None else span
         if source._k is not None and source._v is not None:
             if self._k is None:
                 self._allocate(source._k, source._v, self.batch)
             assert self._k is not None and self._v is not None
-            self._k[row, :, :n] = source._k[0, :, :n]
-            self._v[row, :, :n] = source._v[0, :, :n]
+            self._k[row, :, :n] = source._k[source_row, :, start : start + n]
+            self._v[row, :, :n] = source._v[source_row, :, start : start + n]
         self.rows.put(row, n)
         self._set_rows()
 

@@ -335,9 +335,18 @@ class TargetCache(Cache):
             layer.rows = len(self.rows)
             layer.set_length(frontier)
 
-    def put_row(self, row: int, source: TargetCache) -> None:
+    def put_row(
+        self,
+        row: int,
+        source: TargetCache,
+        *,
+        source_row: int = 0,
+        span: tuple[int, int] | None = None,
+    ) -> None:
         """Copy ``source`` (one sequence, e.g. a prompt prefilled alone) into ``row``: a live
-        row (replaced) or the next free one.
+        row (replaced) or the next free one. ``source_row`` and ``span`` (start, length) pick
+        one sequence of a source that holds several (prompts prefilled together, each at
+        its own offset); by default its first entry's first ``source.length`` positions.
 
         Every live row's positions below the frontier hold finite values (a copy, a
         forward's write, or zeros put here): attention masks a row's stale ones, and a
@@ -345,7 +354,7 @@ class TargetCache(Cache):
         Only the positions that keeps true are zeroed, not the whole buffer."""
         if not 0 <= row <= len(self.rows) or row >= self.batch:
             raise ValueError(f"row {row} of a cache of {len(self.rows)} live rows")
-        n = source.length
+        start, n = (0, source.length) if span is None else span
         if n > self.capacity:
             raise RuntimeError(f"a {n}-position sequence in a cache of capacity {self.capacity}")
         pairs = list(zip(self._layers(), source._layers(), strict=True))
@@ -363,8 +372,8 @@ class TargetCache(Cache):
         for mine, theirs in pairs:
             assert mine._k is not None and mine._v is not None
             assert theirs._k is not None and theirs._v is not None
-            mine._k[row, :, :n] = theirs._k[0, :, :n]
-            mine._v[row, :, :n] = theirs._v[0, :, :n]
+            mine._k[row, :, :n] = theirs._k[source_row, :, start : start + n]
+            mine._v[row, :, :n] = theirs._v[source_row, :, start : start + n]
         self._set_rows()
 
     def drop_row(self, row: int) -> None:
@@ -790,12 +799,15 @@ def attention_mask(
     """Float mask (b, 1, n, past + n): 0 = attend, dtype-min = blocked.
 
     ``tree_mask`` (n, n) or (b, n, n); ``rows``: a batched cache's rows, each of which sees
-    its own valid length of the ``past`` positions (b = their count; else b = 1 and every
-    cached position is seen). A bool mask would be simpler but gives silently wrong logits
-    under eager attention.
+    its own valid length of the ``past`` positions (b = their count; else every cached
+    position is seen, and b = 1 or the tree mask's b: sequences prefilled together). A bool
+    mask would be simpler but gives silently wrong logits under eager attention.
     """
     blocked = torch.finfo(dtype).min
-    b = 1 if rows is None else len(rows)
+    if rows is not None:
+        b = len(rows)
+    else:
+        b = 1 if tree_mask is None or tree_mask.dim() == 2 else tree_mask.shape[0]
     mask = torch.zeros((b, n, past + n), dtype=dtype, device=device)
     if tree_mask is None:
         mask[:, :, past:] = torch.full((n, n), blocked, dtype=dtype, device=device).triu(1)

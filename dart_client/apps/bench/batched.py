@@ -34,6 +34,10 @@ from dart_client.errors import DartError
 METHODS = ("dart-x1", "ar-x1", "ar-xN", "dart-xN")
 
 
+#: ``--admission``'s choices as ``BatchGenerator(admit_together=...)`` takes them.
+ADMISSION: dict[str, bool | str] = {"auto": "auto", "together": True, "alone": False}
+
+
 def parser() -> argparse.ArgumentParser:
     from dart_client.apps.options import (
         add_cpu_kernels_argument,
@@ -84,6 +88,13 @@ def parser() -> argparse.ArgumentParser:
         help="'thread': this thread's CPU time (blind to waits for a core on a shared machine; "
         "needs --threads 1; the pruner's worker threads are not counted)",
     )
+    p.add_argument(
+        "--admission",
+        choices=list(ADMISSION),
+        default="auto",
+        help="prompts joining at one step prefilled 'together' in one forward or each 'alone' "
+        "('auto': together on cuda)",
+    )
     p.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     return p
 
@@ -106,17 +117,27 @@ def run_method(
     config: Any,
     batch_budget: Any,
     max_batch: int | None = None,
+    admit_together: bool | str = "auto",
 ) -> tuple[list[Any], float]:
     """One method over one group: (results, seconds on the chosen clock). The batched ones
-    decode at most ``max_batch`` prompts at once (the rest join as rows free up)."""
+    decode at most ``max_batch`` prompts at once (the rest join as rows free up), prefilling
+    the prompts that join at one step together or each alone (``admit_together``)."""
     if method == "dart-x1":
         return _timed(lambda: [model.generate(input_ids=p, config=config) for p in prompts])
     if method == "ar-x1":
         return _timed(lambda: [model.ar_generate(input_ids=p, config=config) for p in prompts])
     if method == "ar-xN":
-        return _timed(lambda: model.generate_batch(prompts, config, mode="ar", max_batch=max_batch))
+        return _timed(
+            lambda: model.generate_batch(
+                prompts, config, mode="ar", max_batch=max_batch, admit_together=admit_together
+            )
+        )
     batched = config.replace(tree_budget=batch_budget)
-    return _timed(lambda: model.generate_batch(prompts, batched, max_batch=max_batch))
+    return _timed(
+        lambda: model.generate_batch(
+            prompts, batched, max_batch=max_batch, admit_together=admit_together
+        )
+    )
 
 
 def divergences(
@@ -228,7 +249,7 @@ def _measure(
     warm = config.replace(max_new_tokens=min(8, args.max_new_tokens))
     first = [workloads[0].prompts[0].ids] * min(args.batch, 2)
     for method in args.methods:
-        run_method(model, method, first, warm, batch_budget)
+        run_method(model, method, first, warm, batch_budget, None, ADMISSION[args.admission])
     totals = {m: [0, 0.0] for m in args.methods}
     identical = {m: [0, 0] for m in args.methods if m.endswith("xN")}
     margins: dict[str, list[dict[str, Any]]] = {m: [] for m in identical}
@@ -245,7 +266,15 @@ def _measure(
                 shift = (g // size + rep) % len(methods)
                 for method in [*methods[shift:], *methods[:shift]]:
                     runs[method].append(
-                        run_method(model, method, group, config, batch_budget, args.batch)
+                        run_method(
+                            model,
+                            method,
+                            group,
+                            config,
+                            batch_budget,
+                            args.batch,
+                            ADMISSION[args.admission],
+                        )
                     )
             row: dict[str, Any] = {"workload": w.name, "group": g // size}
             medians = {}
@@ -298,6 +327,7 @@ def _measure(
         "clock": args.clock,
         "continuous": args.continuous,
         "ignore_eos": args.ignore_eos,
+        "admission": args.admission,
         "notes": notes,
     }
     if "dart-xN" in rate and "dart-x1" in rate and rate["dart-x1"]:
