@@ -360,11 +360,14 @@ def test_a_batch_step_s_bookkeeping_weighs_on_small_trees_most(
         dm, prompts=ps, budgets=(1, 13), continuation_tokens=24, context_tokens=32, repeats=2,
         batch=3,
     )  # fmt: skip
-    added = tuning.curve[0].overhead_ms - plain.curve[0].overhead_ms
-    assert 3 * 4 * 0.9 <= added <= 3 * 4 * 3
+    # The sleeps are in every measured step (3 rows x at least 4 ms, on the wall clock): a
+    # bound that holds however loaded the machine. Their difference from the plain tuning's
+    # overhead is noisier (both are medians of a few steps), so only its upper end is checked.
+    assert tuning.curve[0].overhead_ms >= 3 * 4
+    assert tuning.curve[0].overhead_ms - plain.curve[0].overhead_ms <= 3 * 4 * 3
     for p in tuning.curve:
         assert p.tokens_per_s == pytest.approx(3e3 * p.tau / p.step_ms)
-        assert p.step_ms >= p.verify_ms + p.prune_ms + p.draft_ms + 3 * 4 * 0.9
+        assert p.step_ms >= p.verify_ms + p.prune_ms + p.draft_ms + 3 * 4
 
 
 def test_a_batch_on_the_static_path_times_the_static_batch_program(
