@@ -18,16 +18,15 @@ SIMD_KERNELS: bool = _native.decoding_matmul_simd()
 #: an autoregressive one both stay within it, so they compute each row the same way.
 DECODING_ROWS = 64
 
-#: Whether PyTorch's bf16 GEMM runs on bf16 instructions here (AVX512-BF16 or AMX, which
-#: DART's matmul then uses too): only then does it beat DART's matmul on long blocks. On CPUs
+#: Whether PyTorch's bf16 GEMM beats DART's matmul on long blocks here: where it runs on
+#: AMX tiles, or on AVX512-BF16 while DART's matmul is capped below it (``avx512``). On CPUs
 #: without them (AVX2 only, AVX-512 without BF16) it converts in software and DART's matmul
 #: is faster at every length, so it takes prompts too (docs/benchmarks.md, "CPUs without
-#: AVX-512").
-NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in (
-    "amx",
-    "avx512bf16",
-    "avx512",
-) and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+#: AVX-512"); so it does on AVX512-BF16 CPUs without AMX, where DART's dot-product kernel
+#: prefilled 128-2000 tokens 3-9% faster than oneDNN's (a Zen 4 EPYC, docs/performance-notes.md).
+NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in ("amx", "avx512") and bool(
+    getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+)
 
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
