@@ -102,6 +102,19 @@ def alone(dm: DartModel, prompt: Sequence[int], mode: str, **kwargs: Any) -> lis
 STATIC = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 
 
+def forward_shapes(dm: DartModel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The input shape of every target forward from now on (the real forward runs)."""
+    shapes: list[tuple[int, ...]] = []
+    forward = type(dm.target).forward
+
+    def counted(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(input_ids.shape))
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(dm.target), "forward", counted)
+    return shapes
+
+
 #: Requests joining at one step prefilled each alone (the CPU's default) or together in one
 #: forward (cuda's).
 ADMISSION = pytest.mark.parametrize("admit", [False, True], ids=["alone", "together"])
@@ -163,14 +176,7 @@ def test_requests_joining_together_are_prefilled_in_one_forward(
     batch = dm.batch_generator(
         mode=mode, max_batch=5, max_length=96, static=static, admit_together=True
     )
-    widths = []
-    forward = type(dm.target).forward
-
-    def counted(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        widths.append(tuple(input_ids.shape))
-        return forward(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(type(dm.target), "forward", counted)
+    widths = forward_shapes(dm, monkeypatch)
     config = dm.resolve_config(GenerationConfig(max_new_tokens=news[0], tree_budget=8))
     ids = {batch.add(config, input_ids=prompts[0]): 0}
     batch.step()
@@ -218,14 +224,7 @@ def test_an_admission_forward_takes_at_most_its_token_budget(
     truths = [p + alone(dm, p, "ar", max_new_tokens=6) for p in prompts]
     dm.tree_builder = Truths(truths, seed=2)
     monkeypatch.setattr(batch_module, "ADMIT_TOGETHER_TOKENS", 24)
-    shapes = []
-    forward = type(dm.target).forward
-
-    def counted(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        shapes.append(tuple(input_ids.shape))
-        return forward(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(type(dm.target), "forward", counted)
+    shapes = forward_shapes(dm, monkeypatch)
     got = dm.generate_batch(prompts, max_new_tokens=6, tree_budget=4, admit_together=True)
     # [10, 3] (2 x 10), [12, 5] (2 x 12), then 30 alone (its own prefill).
     assert shapes[:3] == [(2, 10), (2, 12), (1, 30)]

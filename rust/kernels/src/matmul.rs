@@ -590,14 +590,7 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn kernel<const R: usize>(tile: &Tile<'_, f32>) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        if let Some(bias) = tile.bias {
-            let lo = _mm512_loadu_ps(bias.as_ptr());
-            let hi = _mm512_loadu_ps(bias.as_ptr().add(16));
-            for row in acc.iter_mut() {
-                *row = [lo, hi];
-            }
-        }
+        let mut acc = first_sums::<R>(tile.bias);
         let high_half = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
         let w = tile.weights.as_ptr();
         let x = tile.x.as_ptr();
@@ -627,6 +620,28 @@ mod avx512 {
                 }
             }
         }
+        store_sums(&acc, tile);
+    }
+
+    /// Every row's two accumulators (a panel's 32 outputs) starting at the bias, or 0.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn first_sums<const R: usize>(bias: Option<&[f32]>) -> [[__m512; 2]; R] {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        if let Some(bias) = bias {
+            let lo = _mm512_loadu_ps(bias.as_ptr());
+            let hi = _mm512_loadu_ps(bias.as_ptr().add(16));
+            for row in acc.iter_mut() {
+                *row = [lo, hi];
+            }
+        }
+        acc
+    }
+
+    /// Every row's sums rounded to bf16 into the tile's columns of `out`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn store_sums<const R: usize, X>(acc: &[[__m512; 2]; R], tile: &Tile<'_, X>) {
         for (r, row) in acc.iter().enumerate() {
             for (half, &v) in row.iter().enumerate() {
                 let first = half * 16;
@@ -657,8 +672,8 @@ mod avx512bf16 {
     //! spelled out by the tests' `dot_product`): its own bits, the same for a row alone as in
     //! a tree.
 
+    use super::avx512::{first_sums, store_sums};
     use super::{Tile, PAIR_STRIDE, PREFETCH_BYTES};
-    use crate::simd::{lanes, to_bf16};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -685,14 +700,7 @@ mod avx512bf16 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn kernel<const R: usize>(tile: &Tile<'_, u16>) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        if let Some(bias) = tile.bias {
-            let lo = _mm512_loadu_ps(bias.as_ptr());
-            let hi = _mm512_loadu_ps(bias.as_ptr().add(16));
-            for row in acc.iter_mut() {
-                *row = [lo, hi];
-            }
-        }
+        let mut acc = first_sums::<R>(tile.bias);
         let w = tile.weights.as_ptr();
         let x = tile.x.as_ptr();
         for p in 0..tile.pairs {
@@ -716,22 +724,7 @@ mod avx512bf16 {
                 }
             }
         }
-        for (r, row) in acc.iter().enumerate() {
-            for (half, &v) in row.iter().enumerate() {
-                let first = half * 16;
-                if first >= tile.columns {
-                    break;
-                }
-                let dst = tile.out.add(r * tile.out_stride + first);
-                let packed = to_bf16(v);
-                let valid = tile.columns - first;
-                if valid >= 16 {
-                    _mm256_storeu_si256(dst.cast(), packed);
-                } else {
-                    _mm256_mask_storeu_epi16(dst.cast(), lanes(valid), packed);
-                }
-            }
-        }
+        store_sums(&acc, tile);
     }
 }
 
