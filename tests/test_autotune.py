@@ -370,6 +370,38 @@ def test_a_batch_step_s_bookkeeping_weighs_on_small_trees_most(
         assert p.step_ms >= p.verify_ms + p.prune_ms + p.draft_ms + 3 * 4
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_lone_step_s_bookkeeping_is_in_every_budget_s_step(
+    static: bool, target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alone too, what a real step spends beyond drafting, pruning and verifying (here 4 ms
+    of emitting a step's tokens) is measured on a real generation and in every budget's
+    step."""
+    import time as time_module
+
+    import dart_client.decoding.autotune as autotune_module
+    from dart_client.decoding.loop import _Run
+
+    emit = _Run._emit
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time_module.sleep(0.004)
+        return emit(self, *args, **kwargs)
+
+    monkeypatch.setattr(autotune_module, "resolve_static", lambda value, devices: static)
+    dm, ps, _ = planted(target, head, 3, 9, 24)
+    monkeypatch.setattr(_Run, "_emit", slow)
+    tuning = autotune(
+        dm, prompts=ps, budgets=(1, 13), continuation_tokens=24, context_tokens=32, repeats=2
+    )
+    assert len({p.overhead_ms for p in tuning.curve}) == 1
+    assert tuning.curve[0].overhead_ms >= 4
+    assert any("bookkeeping" in note for note in tuning.notes)
+    for p in tuning.curve:
+        assert p.step_ms == pytest.approx(p.verify_ms + p.prune_ms + p.draft_ms + p.overhead_ms)
+        assert p.tokens_per_s == pytest.approx(1e3 * p.tau / p.step_ms)
+
+
 def test_a_batch_on_the_static_path_times_the_static_batch_program(
     target: Any, head: DartHead, monkeypatch: pytest.MonkeyPatch
 ) -> None:

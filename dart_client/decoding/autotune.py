@@ -107,8 +107,8 @@ class BudgetPoint:
     tau: float
     tokens_per_s: float
     speedup: float  # estimated, over one autoregressive forward per token
-    #: What a real step spends beyond the three parts (its bookkeeping: accepting into each
-    #: row, emitting, stop checks), measured once per tuning (batches; 0 alone).
+    #: What a real step spends beyond the three parts (its bookkeeping: accepting, compacting,
+    #: emitting, stop checks), measured once per tuning on real steps (alone and in batches).
     overhead_ms: float = 0.0
 
     @property
@@ -254,15 +254,17 @@ def autotune(
             "static path: the head drafts inside each verification replay (its time is in "
             "verify ms)"
         )
-    overhead_ms = 0.0
+    # A step's bookkeeping, the same for every budget, weighs on small trees most: without
+    # it the estimate favours the budgets that accept least.
+    middle = clean[len(clean) // 2]
     if batch > 1:
-        # The same for every budget, but it weighs on small trees most: without it a batch's
-        # estimate favours the budgets that accept least.
-        overhead_ms = _batch_step_overhead_ms(model, encoded, clean[len(clean) // 2], batch, clock)
-        notes.append(
-            f"each batched step also spends {overhead_ms:.2f} ms on its bookkeeping (measured "
-            "on real steps; in every budget's step)"
-        )
+        overhead_ms = _batch_step_overhead_ms(model, encoded, middle, batch, clock)
+    else:
+        overhead_ms = _lone_step_overhead_ms(model, encoded[0], middle)
+    notes.append(
+        f"each {'batched ' if batch > 1 else ''}step also spends {overhead_ms:.2f} ms on its "
+        "bookkeeping (measured on real steps; in every budget's step)"
+    )
     curve = []
     for b in clean:
         tau = statistics.fmean(steps[b]) if steps[b] else 1.0
@@ -574,6 +576,30 @@ def _batch_step_overhead_ms(
     return 1e3 * statistics.median(extra) if extra else 0.0
 
 
+def _lone_step_overhead_ms(
+    model: DartModel, prompt: list[int], budget: int, steps: int = 8
+) -> float:
+    """Milliseconds per step of a real generation of ``prompt`` at ``budget`` nodes outside
+    the parts the estimate times on their own (:func:`_batch_step_overhead_ms`' split: on
+    the static path the timed program accepts too), read from the generation's own stage
+    timings (the target's clock, as the tuning's)."""
+    # The path the tuning timed (resolved as generation resolves "auto").
+    static = resolve_static("auto", model.target.layer_devices())
+    config = GenerationConfig(
+        max_new_tokens=(steps + 1) * (budget + 1),
+        tree_budget=budget,
+        ignore_eos=True,
+        static=static,
+    )
+    result = generate(model, config, mode="dart", input_ids=prompt)
+    modelled = ("prefill", "draft", "prune", "inputs", "verify") + (("accept",) if static else ())
+    done = len(result.accept_lengths) - 1
+    if done < 1:
+        return 0.0
+    rest = result.elapsed - sum(result.timings[k] for k in modelled)
+    return 1e3 * max(rest, 0.0) / done
+
+
 def _greedy_continuation(
     model: DartModel, prompt: list[int], new_tokens: int
 ) -> tuple[list[int], int]:
@@ -805,7 +831,7 @@ def _batch_costs(
 # -- the tuning cache ---------------------------------------------------------------------------
 
 #: Bump when the tuner's measurement changes, so older cached tunings are not reused.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def tune_cached(
