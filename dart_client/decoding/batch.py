@@ -62,6 +62,7 @@ from dart_client.decoding.static import (
 from dart_client.decoding.static_batch import StaticBatchVerifier
 from dart_client.decoding.verify import Tree, verify_trees
 from dart_client.errors import ContextTooLongError, InvalidArgumentError
+from dart_client.models.target import attention_mask
 
 if TYPE_CHECKING:
     from dart_client.models.target import TargetCache
@@ -394,15 +395,13 @@ class BatchGenerator:
             head_together = self.head.new_cache(width - 1, take)
             head_positions, head_sees = left_padded(pads, width - 1, device)
             dtype = self.head.fc.weight.dtype
-            mask = torch.zeros(head_sees.shape, dtype=dtype, device=device)
-            mask.masked_fill_(~head_sees, torch.finfo(dtype).min)
             self.head(
                 taps[:, :-1].to(dtype),
                 ids[:, 1:],
                 head_together,
                 num_masks=0,
                 positions=head_positions,
-                mask=mask.unsqueeze(1),
+                mask=attention_mask(width - 1, 0, head_sees, dtype, device),
             )
         events = []
         admitted = []
