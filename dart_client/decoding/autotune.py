@@ -577,19 +577,17 @@ def _batch_step_overhead_ms(
 
 
 def _lone_step_overhead_ms(
-    model: DartModel, prompt: list[int], budget: int, steps: int = 8
+    model: DartModel, prompt: list[int], budget: int, tokens: int = 32
 ) -> float:
-    """Milliseconds per step of a real generation of ``prompt`` at ``budget`` nodes outside
-    the parts the estimate times on their own (:func:`_batch_step_overhead_ms`' split: on
-    the static path the timed program accepts too), read from the generation's own stage
-    timings (the target's clock, as the tuning's)."""
+    """Mean milliseconds per step of a real generation of ``tokens`` new tokens after
+    ``prompt`` at ``budget`` nodes, outside the parts the estimate times on their own
+    (:func:`_batch_step_overhead_ms`' split: on the static path the timed program accepts
+    too), read from the generation's own stage timings (the target's clock, as the
+    tuning's)."""
     # The path the tuning timed (resolved as generation resolves "auto").
     static = resolve_static("auto", model.target.layer_devices())
     config = GenerationConfig(
-        max_new_tokens=(steps + 1) * (budget + 1),
-        tree_budget=budget,
-        ignore_eos=True,
-        static=static,
+        max_new_tokens=tokens, tree_budget=budget, ignore_eos=True, static=static
     )
     result = generate(model, config, mode="dart", input_ids=prompt)
     modelled = ("prefill", "draft", "prune", "inputs", "verify") + (("accept",) if static else ())
