@@ -23,7 +23,7 @@ DECODING_ROWS = 64
 #: without them (AVX2 only, AVX-512 without BF16) it converts in software and DART's matmul
 #: is faster at every length, so it takes prompts too (docs/benchmarks.md, "CPUs without
 #: AVX-512"); so it does on AVX512-BF16 CPUs without AMX, where DART's dot-product kernel
-#: prefilled 128-2000 tokens 3-9% faster than oneDNN's (a Zen 4 EPYC, docs/performance-notes.md).
+#: prefilled 128-2000 tokens 3-12% faster than oneDNN's (a Zen 4 EPYC, performance notes).
 NATIVE_BF16_GEMM: bool = _native.decoding_matmul_backend() in ("amx", "avx512") and bool(
     getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 )
