@@ -7,7 +7,8 @@
 //! turn one 64-byte load into 16 f32 weights of input `2p` and 16 of input `2p+1`. Panels
 //! follow each other in memory, so a call streams the matrix once from start to end; the
 //! kernel prefetches [`PREFETCH_BYTES`] ahead because the hardware prefetcher alone left a
-//! third of the memory bandwidth unused. Odd `k` and the last panel are padded with zeros.
+//! third of the memory bandwidth unused, and when a panel takes several passes, the next
+//! panel during all of them ([`Prefetch`]). Odd `k` and the last panel are padded with zeros.
 //!
 //! Order of operations. Every output is `bias` (or 0) followed by one f32 FMA per input, in
 //! input order, rounded to bf16 once at the end. Nothing depends on `m` or on which rows are
@@ -492,6 +493,7 @@ impl Job<'_> {
         let m = self.matrix;
         // Near-equal passes (the FMA kernel's 16 rows as 8 + 8 measured 8% faster than 12 + 4).
         let passes = self.rows.div_ceil(per_pass);
+        let first_panel = panels.start;
         for panel in panels {
             let weights = lines_as_u16(m.panel_lines(panel));
             let first_column = panel * PANEL_COLUMNS;
@@ -507,6 +509,7 @@ impl Job<'_> {
                     x_stride,
                     weights,
                     pairs: m.pairs,
+                    prefetch: Prefetch::plan(weights, m.pairs, pass, passes, panel == first_panel),
                     bias,
                     // SAFETY: rows row..row+count, columns first_column..+columns are inside
                     // `out` (checked lengths) and belong to this panel alone.
@@ -521,12 +524,75 @@ impl Job<'_> {
     }
 }
 
+/// What a pass prefetches: at input pair `p`, the lines at `from + p * step` and
+/// `from + p * step + step / 2`.
+///
+/// One pass over a panel prefetches [`PREFETCH_BYTES`] ahead of its own loads (into the next
+/// panel near its end). With several passes, the later ones read the panel from the cache and
+/// memory would sit idle: every pass then prefetches its share of the *next* panel instead,
+/// so the weights stream from memory while all the passes compute (on a Zen 4 core a 12-row
+/// product had cost one row's streaming plus the rows' arithmetic, not the larger of the two).
+#[derive(Clone, Copy)]
+struct Prefetch {
+    from: *const i8,
+    step: usize,
+    /// Into the second-level cache only: the next panel must not evict this one's lines,
+    /// which the remaining passes read again.
+    next_panel: bool,
+}
+
+impl Prefetch {
+    /// Bytes of one input pair of a panel.
+    const PAIR_BYTES: usize = PAIR_STRIDE * 2;
+
+    /// The plan for pass `pass` of `passes` over the panel `weights` (`pairs` input pairs);
+    /// `first`: the first panel of the call, whose first pass nothing prefetched.
+    fn plan(weights: &[u16], pairs: usize, pass: usize, passes: usize, first: bool) -> Self {
+        let own = weights.as_ptr().cast::<i8>();
+        if passes == 1 || (first && pass == 0) {
+            return Prefetch {
+                from: own.wrapping_add(PREFETCH_BYTES),
+                step: Self::PAIR_BYTES,
+                next_panel: false,
+            };
+        }
+        // Panels follow each other in memory; the next panel's pairs are shared out among the
+        // passes in order (rounded up: lines may be asked for twice, none skipped).
+        let step = Self::PAIR_BYTES.div_ceil(passes);
+        Prefetch {
+            from: own.wrapping_add(weights.len() * 2 + pass * pairs * step),
+            step,
+            next_panel: true,
+        }
+    }
+
+    /// Issues pair `p`'s prefetches (addresses past the matrix are harmless: a prefetch never
+    /// faults, hence `wrapping_add`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn pair(self, p: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let at = self.from.wrapping_add(p * self.step);
+        // SAFETY: prefetching is a hint; it reads nothing and never faults.
+        unsafe {
+            if self.next_panel {
+                _mm_prefetch::<_MM_HINT_T1>(at);
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(self.step / 2));
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(at);
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(self.step / 2));
+            }
+        }
+    }
+}
+
 /// A block of rows (f32 for the FMA chain, bf16 bits for the dot products) times one panel.
 struct Tile<'a, X> {
     x: &'a [X],
     x_stride: usize,
     weights: &'a [u16],
     pairs: usize,
+    prefetch: Prefetch,
     bias: Option<&'a [f32]>,
     out: *mut u16,
     out_stride: usize,
@@ -555,7 +621,7 @@ impl Tile<'_, f32> {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Tile, PAIR_STRIDE, PREFETCH_BYTES};
+    use super::{Tile, PAIR_STRIDE};
     use crate::simd::{lanes, to_bf16};
     use std::arch::x86_64::*;
 
@@ -595,9 +661,7 @@ mod avx512 {
         let x = tile.x.as_ptr();
         for p in 0..tile.pairs {
             let pair = w.add(p * PAIR_STRIDE);
-            // wrapping_add: the prefetch address may lie past the matrix (prefetches never fault).
-            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES));
-            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES + 64));
+            tile.prefetch.pair(p);
             let a = _mm512_loadu_si512(pair.cast());
             let b = _mm512_loadu_si512(pair.add(32).cast());
             // Lane c of `a` holds columns c's weights for inputs 2p (low) and 2p+1 (high).
@@ -672,7 +736,7 @@ mod avx512bf16 {
     //! a tree.
 
     use super::avx512::{first_sums, store_sums};
-    use super::{Tile, PAIR_STRIDE, PREFETCH_BYTES};
+    use super::{Tile, PAIR_STRIDE};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -704,9 +768,7 @@ mod avx512bf16 {
         let x = tile.x.as_ptr();
         for p in 0..tile.pairs {
             let pair = w.add(p * PAIR_STRIDE);
-            // wrapping_add: the prefetch address may lie past the matrix (prefetches never fault).
-            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES));
-            _mm_prefetch::<_MM_HINT_T0>(pair.cast::<i8>().wrapping_add(PREFETCH_BYTES + 64));
+            tile.prefetch.pair(p);
             let weights: [__m512bh; 2] = [
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(pair.cast())),
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(pair.add(32).cast())),
