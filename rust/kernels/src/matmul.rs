@@ -7,8 +7,8 @@
 //! turn one 64-byte load into 16 f32 weights of input `2p` and 16 of input `2p+1`. Panels
 //! follow each other in memory, so a call streams the matrix once from start to end; the
 //! kernel prefetches [`PREFETCH_BYTES`] ahead because the hardware prefetcher alone left a
-//! third of the memory bandwidth unused, and when a panel takes several passes, the next
-//! panel during all of them ([`Prefetch`]). Odd `k` and the last panel are padded with zeros.
+//! third of the memory bandwidth unused, and when a panel takes several dot-product passes,
+//! the next panel during them ([`Prefetch`]). Odd `k` and the last panel are padded with zeros.
 //!
 //! Order of operations. Every output is `bias` (or 0) followed by one f32 FMA per input, in
 //! input order, rounded to bf16 once at the end. Nothing depends on `m` or on which rows are
@@ -416,6 +416,14 @@ impl PackedMatrix {
     }
 }
 
+/// How a kernel walks a panel: rows per pass, and whether its passes stream the next panel
+/// ([`Prefetch`]).
+#[derive(Clone, Copy)]
+struct Passes {
+    rows: usize,
+    stream_next: bool,
+}
+
 /// One matmul call, split by panels across threads. Each panel writes only its own columns.
 struct Job<'a> {
     matrix: &'a PackedMatrix,
@@ -459,7 +467,13 @@ impl Job<'_> {
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx { .. } => unreachable!("AMX is x86-64 only"),
             Kernel::Fma { x, stride, backend } => {
-                self.run_passes(x, stride, MAX_ROWS_PER_PASS, panels, |tile| match backend {
+                // The FMA chain's passes are compute-bound: streaming the next panel during them
+                // measured 3-5% slower at 32 rows on the Zen 4.
+                let passes = Passes {
+                    rows: MAX_ROWS_PER_PASS,
+                    stream_next: false,
+                };
+                self.run_passes(x, stride, passes, panels, |tile| match backend {
                     // SAFETY: matmul_with runs these backends only where they are available.
                     #[cfg(target_arch = "x86_64")]
                     Backend::Avx512 => unsafe { avx512::tile(tile) },
@@ -471,7 +485,11 @@ impl Job<'_> {
             #[cfg(target_arch = "x86_64")]
             Kernel::Dot { x, stride } => {
                 // SAFETY: a Dot job is only built when avx512bf16::available().
-                self.run_passes(x, stride, DOT_ROWS_PER_PASS, panels, |tile| unsafe {
+                let passes = Passes {
+                    rows: DOT_ROWS_PER_PASS,
+                    stream_next: true,
+                };
+                self.run_passes(x, stride, passes, panels, |tile| unsafe {
                     avx512bf16::tile(tile)
                 })
             }
@@ -481,18 +499,18 @@ impl Job<'_> {
     }
 
     /// Every panel times the rows of `x` (`x_stride` elements apart) in near-equal passes of
-    /// at most `per_pass` rows, each pass one `kernel` call.
+    /// at most `per_pass.rows` rows, each pass one `kernel` call.
     fn run_passes<X>(
         &self,
         x: &[X],
         x_stride: usize,
-        per_pass: usize,
+        per_pass: Passes,
         panels: std::ops::Range<usize>,
         kernel: impl Fn(&Tile<'_, X>),
     ) {
         let m = self.matrix;
         // Near-equal passes (the FMA kernel's 16 rows as 8 + 8 measured 8% faster than 12 + 4).
-        let passes = self.rows.div_ceil(per_pass);
+        let passes = self.rows.div_ceil(per_pass.rows);
         let first_panel = panels.start;
         for panel in panels {
             let weights = lines_as_u16(m.panel_lines(panel));
@@ -509,7 +527,14 @@ impl Job<'_> {
                     x_stride,
                     weights,
                     pairs: m.pairs,
-                    prefetch: Prefetch::plan(weights, m.pairs, pass, passes, panel == first_panel),
+                    prefetch: Prefetch::plan(
+                        weights,
+                        m.pairs,
+                        pass,
+                        passes,
+                        // The call's first panel: nothing prefetched it for its first pass.
+                        per_pass.stream_next && !(panel == first_panel && pass == 0),
+                    ),
                     bias,
                     // SAFETY: rows row..row+count, columns first_column..+columns are inside
                     // `out` (checked lengths) and belong to this panel alone.
@@ -524,63 +549,53 @@ impl Job<'_> {
     }
 }
 
-/// What a pass prefetches: at input pair `p`, the lines at `from + p * step` and
-/// `from + p * step + step / 2`.
+/// What a pass prefetches at input pair `p`: two lines [`PREFETCH_BYTES`] ahead of its own
+/// loads, and when the panel takes several passes, a line of the next panel.
 ///
-/// One pass over a panel prefetches [`PREFETCH_BYTES`] ahead of its own loads (into the next
-/// panel near its end). With several passes, the later ones read the panel from the cache and
-/// memory would sit idle: every pass then prefetches its share of the *next* panel instead,
-/// so the weights stream from memory while all the passes compute (on a Zen 4 core a 12-row
-/// product had cost one row's streaming plus the rows' arithmetic, not the larger of the two).
+/// A pass alone streams the panel from memory (and, near its end, the next panel's start).
+/// With several passes, the later ones read the panel from the cache and memory would sit
+/// idle: the first two passes also prefetch the *next* panel, half each, a line per input
+/// pair, so the weights stream from memory while all the passes compute (on a Zen 4 core a
+/// 16-row product had cost about one row's streaming plus the rows' arithmetic, not the
+/// larger of the two).
 #[derive(Clone, Copy)]
 struct Prefetch {
-    from: *const i8,
-    step: usize,
-    /// Into the second-level cache only: the next panel must not evict this one's lines,
-    /// which the remaining passes read again.
-    next_panel: bool,
+    ahead: *const i8,
+    /// The next panel's line for pair 0, if this pass streams part of it.
+    next: Option<*const i8>,
 }
 
 impl Prefetch {
-    /// Bytes of one input pair of a panel.
+    /// Bytes of one input pair of a panel: two cache lines.
     const PAIR_BYTES: usize = PAIR_STRIDE * 2;
 
     /// The plan for pass `pass` of `passes` over the panel `weights` (`pairs` input pairs);
-    /// `first`: the first panel of the call, whose first pass nothing prefetched.
-    fn plan(weights: &[u16], pairs: usize, pass: usize, passes: usize, first: bool) -> Self {
+    /// `stream_next`: whether this pass may stream the next panel.
+    fn plan(weights: &[u16], pairs: usize, pass: usize, passes: usize, stream_next: bool) -> Self {
         let own = weights.as_ptr().cast::<i8>();
-        if passes == 1 || (first && pass == 0) {
-            return Prefetch {
-                from: own.wrapping_add(PREFETCH_BYTES),
-                step: Self::PAIR_BYTES,
-                next_panel: false,
-            };
-        }
-        // Panels follow each other in memory; the next panel's pairs are shared out among the
-        // passes in order (rounded up: lines may be asked for twice, none skipped).
-        let step = Self::PAIR_BYTES.div_ceil(passes);
+        // Panels follow each other in memory: the next one's `2 * pairs` lines, the first
+        // half in pass 0, the second in pass 1.
+        let streams = stream_next && passes > 1 && pass < 2;
         Prefetch {
-            from: own.wrapping_add(weights.len() * 2 + pass * pairs * step),
-            step,
-            next_panel: true,
+            ahead: own.wrapping_add(PREFETCH_BYTES),
+            next: streams.then(|| own.wrapping_add(weights.len() * 2 + pass * pairs * 64)),
         }
     }
 
-    /// Issues pair `p`'s prefetches (addresses past the matrix are harmless: a prefetch never
-    /// faults, hence `wrapping_add`).
+    /// Issues pair `p`'s prefetches: the next panel's into the second-level cache only (it
+    /// must not evict this panel's lines, which the later passes read again). Addresses past
+    /// the matrix are harmless: a prefetch never faults, hence `wrapping_add`.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn pair(self, p: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let at = self.from.wrapping_add(p * self.step);
+        let at = self.ahead.wrapping_add(p * Self::PAIR_BYTES);
         // SAFETY: prefetching is a hint; it reads nothing and never faults.
         unsafe {
-            if self.next_panel {
-                _mm_prefetch::<_MM_HINT_T1>(at);
-                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(self.step / 2));
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(at);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(self.step / 2));
+            _mm_prefetch::<_MM_HINT_T0>(at);
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64));
+            if let Some(next) = self.next {
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * 64));
             }
         }
     }
