@@ -589,15 +589,24 @@ impl Prefetch {
     #[inline(always)]
     fn pair(self, p: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let at = self.ahead.wrapping_add(p * Self::PAIR_BYTES);
+        let (ahead, next) = self.lines(p);
         // SAFETY: prefetching is a hint; it reads nothing and never faults.
         unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(at);
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64));
-            if let Some(next) = self.next {
-                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * 64));
+            _mm_prefetch::<_MM_HINT_T0>(ahead[0]);
+            _mm_prefetch::<_MM_HINT_T0>(ahead[1]);
+            if let Some(next) = next {
+                _mm_prefetch::<_MM_HINT_T1>(next);
             }
         }
+    }
+
+    /// The lines pair `p` prefetches: two ahead in this panel, and maybe one of the next.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline(always)]
+    fn lines(self, p: usize) -> ([*const i8; 2], Option<*const i8>) {
+        let at = self.ahead.wrapping_add(p * Self::PAIR_BYTES);
+        let next = self.next.map(|n| n.wrapping_add(p * 64));
+        ([at, at.wrapping_add(64)], next)
     }
 }
 
@@ -1586,6 +1595,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn passes_stream_every_line_of_the_next_panel_once() {
+        // A panel of 48 input pairs (whole blocks), 45 of them used.
+        let weights = vec![0u16; 48 * PAIR_STRIDE];
+        let (pairs, own) = (45, weights.as_ptr() as usize);
+        let next_panel = own + weights.len() * 2;
+        for passes in 2..6 {
+            let mut lines = Vec::new();
+            for pass in 0..passes {
+                let plan = Prefetch::plan(&weights, pairs, pass, passes, true);
+                for p in 0..pairs {
+                    let (ahead, next) = plan.lines(p);
+                    assert_eq!(ahead[0] as usize, own + PREFETCH_BYTES + p * 128);
+                    assert_eq!(ahead[1] as usize, ahead[0] as usize + 64);
+                    lines.extend(next.map(|n| n as usize - next_panel));
+                }
+            }
+            lines.sort_unstable();
+            let every: Vec<usize> = (0..2 * pairs).map(|i| i * 64).collect();
+            assert_eq!(lines, every, "{passes} passes");
+        }
+        // One pass, or a pass told not to stream (the call's first panel, the FMA kernels):
+        // only the lines ahead.
+        assert!(Prefetch::plan(&weights, pairs, 0, 1, true)
+            .lines(0)
+            .1
+            .is_none());
+        assert!(Prefetch::plan(&weights, pairs, 1, 2, false)
+            .lines(0)
+            .1
+            .is_none());
     }
 
     #[test]
