@@ -829,9 +829,9 @@ def _batch_costs(
 # -- the tuning cache ---------------------------------------------------------------------------
 
 #: Bump when the tuner's measurement or what a tree costs changes (a kernel made faster at some
-#: row counts: 4, the AVX512-BF16 matmul streaming the next panel during a panel's passes), so
-#: older cached tunings are not reused.
-CACHE_VERSION = 4
+#: row counts: 4 and 5, the AVX512-BF16 and then the AVX2 matmul streaming the next panel during
+#: a panel's passes), so older cached tunings are not reused.
+CACHE_VERSION = 5
 
 
 def tune_cached(

@@ -549,37 +549,77 @@ impl Job<'_> {
     }
 }
 
-/// What a pass prefetches at input pair `p`: two lines [`PREFETCH_BYTES`] ahead of its own
-/// loads, and when the panel takes several passes, a line of the next panel.
+/// What a pass over a panel prefetches at input pair `p`: lines [`PREFETCH_BYTES`] ahead of
+/// its own loads, and when the panel takes several passes, its share of the next panel.
 ///
 /// A pass alone streams the panel from memory (and, near its end, the next panel's start).
 /// With several passes, the later ones read the panel from the cache and memory would sit
-/// idle: the first two passes also prefetch the *next* panel, half each, a line per input
-/// pair, so the weights stream from memory while all the passes compute (on a Zen 4 core a
-/// 16-row product had cost about one row's streaming plus the rows' arithmetic, not the
-/// larger of the two).
+/// idle: two of the passes also prefetch the *next* panel into L2 ([`Prefetch::next_share`]),
+/// so the weights stream from memory while all the passes compute (on a Zen 4 core a 16-row
+/// product had cost about one row's streaming plus the rows' arithmetic, not the larger of
+/// the two).
 #[derive(Clone, Copy)]
 struct Prefetch {
-    ahead: *const i8,
-    /// The next panel's line for pair 0, if this pass streams part of it.
-    next: Option<*const i8>,
+    /// The two lines ahead for pair 0, if this pass prefetches ahead.
+    ahead: Option<*const i8>,
+    /// The next panel's share: its line for pair 0 and the bytes per pair (64: a line per
+    /// pair, half the panel; 128: two, all of it).
+    next: Option<(*const i8, usize)>,
 }
 
 impl Prefetch {
     /// Bytes of one input pair of a panel: two cache lines.
     const PAIR_BYTES: usize = PAIR_STRIDE * 2;
 
-    /// The plan for pass `pass` of `passes` over the panel `weights` (`pairs` input pairs);
-    /// `stream_next`: whether this pass may stream the next panel.
+    /// The plan for pass `pass` of `passes` (rows) over the panel `weights` (`pairs` input
+    /// pairs); `stream_next`: whether this pass may stream the next panel (not the first pass
+    /// over the call's first panel, which nothing prefetched).
     fn plan(weights: &[u16], pairs: usize, pass: usize, passes: usize, stream_next: bool) -> Self {
         let own = weights.as_ptr().cast::<i8>();
-        // Panels follow each other in memory: the next one's `2 * pairs` lines, the first
-        // half in pass 0, the second in pass 1.
-        let streams = stream_next && passes > 1 && pass < 2;
         Prefetch {
-            ahead: own.wrapping_add(PREFETCH_BYTES),
-            next: streams.then(|| own.wrapping_add(weights.len() * 2 + pass * pairs * 64)),
+            ahead: Some(own.wrapping_add(PREFETCH_BYTES)),
+            next: if stream_next && passes > 1 {
+                Self::next_share(weights, pairs, pass, passes)
+            } else {
+                None
+            },
         }
+    }
+
+    /// The plan for quarter group `group` of `groups` of the AVX2 kernel's walk over a panel:
+    /// the first group prefetches ahead, the later ones share out the next panel (its first
+    /// group then finds the panel in L2).
+    #[cfg(target_arch = "x86_64")]
+    fn quarter_group(weights: &[u16], pairs: usize, group: usize, groups: usize) -> Self {
+        if group == 0 {
+            return Prefetch {
+                ahead: Some(weights.as_ptr().cast::<i8>().wrapping_add(PREFETCH_BYTES)),
+                next: None,
+            };
+        }
+        Prefetch {
+            ahead: None,
+            next: Self::next_share(weights, pairs, group - 1, groups - 1),
+        }
+    }
+
+    /// Part `part` of `parts`'s share of the next panel's `2 * pairs` lines (panels follow
+    /// each other in memory): the first two parts take half each, a lone part all of them.
+    fn next_share(
+        weights: &[u16],
+        pairs: usize,
+        part: usize,
+        parts: usize,
+    ) -> Option<(*const i8, usize)> {
+        let sharing = parts.min(2);
+        (part < sharing).then(|| {
+            let step = Self::PAIR_BYTES / sharing;
+            let next_panel = weights
+                .as_ptr()
+                .cast::<i8>()
+                .wrapping_add(weights.len() * 2);
+            (next_panel.wrapping_add(part * pairs * step), step)
+        })
     }
 
     /// Issues pair `p`'s prefetches: the next panel's into the second-level cache only (it
@@ -589,24 +629,31 @@ impl Prefetch {
     #[inline(always)]
     fn pair(self, p: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let (ahead, next) = self.lines(p);
         // SAFETY: prefetching is a hint; it reads nothing and never faults.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(ahead[0]);
-            _mm_prefetch::<_MM_HINT_T0>(ahead[1]);
-            if let Some(next) = next {
-                _mm_prefetch::<_MM_HINT_T1>(next);
-            }
-        }
+        self.lines(
+            p,
+            |line| unsafe { _mm_prefetch::<_MM_HINT_T0>(line) },
+            |line| unsafe { _mm_prefetch::<_MM_HINT_T1>(line) },
+        );
     }
 
-    /// The lines pair `p` prefetches: two ahead in this panel, and maybe one of the next.
+    /// Pair `p`'s lines: two ahead in this panel to `ahead`, one or two of the next panel to
+    /// `next` (closures, so that the kernels' loops see plain prefetches).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline(always)]
-    fn lines(self, p: usize) -> ([*const i8; 2], Option<*const i8>) {
-        let at = self.ahead.wrapping_add(p * Self::PAIR_BYTES);
-        let next = self.next.map(|n| n.wrapping_add(p * 64));
-        ([at, at.wrapping_add(64)], next)
+    fn lines(self, p: usize, mut ahead: impl FnMut(*const i8), mut next: impl FnMut(*const i8)) {
+        if let Some(a) = self.ahead {
+            let at = a.wrapping_add(p * Self::PAIR_BYTES);
+            ahead(at);
+            ahead(at.wrapping_add(64));
+        }
+        if let Some((n, step)) = self.next {
+            let at = n.wrapping_add(p * step);
+            next(at);
+            if step > 64 {
+                next(at.wrapping_add(64));
+            }
+        }
     }
 }
 
@@ -821,10 +868,11 @@ mod avx2 {
     //! enough independent FMA chains hide the FMA latency (one row alone would wait on each
     //! FMA); many rows take one quarter, keeping `R x Q <= 12` accumulators within AVX2's 16
     //! registers. The pass holding the first quarter streams the panel from memory; later
-    //! passes find it in the cache. Each output is still `bias` then one FMA per input in
+    //! passes find it in the cache and stream the next panel meanwhile
+    //! ([`Prefetch::quarter_group`]). Each output is still `bias` then one FMA per input in
     //! input order: the scalar kernel's bits.
 
-    use super::{Tile, PAIR_STRIDE, PANEL_COLUMNS, PREFETCH_BYTES};
+    use super::{Prefetch, Tile, PAIR_STRIDE, PANEL_COLUMNS};
     use crate::bf16::f32_to_bf16;
     use std::arch::x86_64::*;
 
@@ -865,7 +913,10 @@ mod avx2 {
         let w = tile.weights.as_ptr();
         let x = tile.x.as_ptr();
         let columns = PANEL_COLUMNS.min(tile.columns);
+        let groups = columns.div_ceil(QUARTER * Q);
         for first in (0..columns).step_by(QUARTER * Q) {
+            let prefetch =
+                Prefetch::quarter_group(tile.weights, tile.pairs, first / (QUARTER * Q), groups);
             let mut acc = [[_mm256_setzero_ps(); R]; Q];
             if let Some(bias) = tile.bias {
                 // The bias is padded to whole panels (Job::run).
@@ -875,12 +926,7 @@ mod avx2 {
             }
             for p in 0..tile.pairs {
                 let pair = w.add(p * PAIR_STRIDE);
-                if first == 0 {
-                    // wrapping_add: the address may lie past the matrix (prefetches never fault).
-                    let ahead = pair.cast::<i8>().wrapping_add(PREFETCH_BYTES);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
-                }
+                prefetch.pair(p);
                 for (q, acc_q) in acc.iter_mut().enumerate() {
                     // Lane c: output first + 8q + c's weights for inputs 2p (low half) and
                     // 2p+1 (high half).
@@ -1597,37 +1643,72 @@ mod tests {
         }
     }
 
+    /// The next panel's lines (as offsets from its start) that `plans` prefetch over
+    /// `pairs` input pairs, sorted, after checking each plan's lines ahead.
+    fn next_panel_lines(plans: &[Prefetch], weights: &[u16], pairs: usize) -> Vec<usize> {
+        let own = weights.as_ptr() as usize;
+        let next_panel = own + weights.len() * 2;
+        let mut lines = Vec::new();
+        for plan in plans {
+            for p in 0..pairs {
+                let mut ahead = Vec::new();
+                plan.lines(
+                    p,
+                    |line| ahead.push(line as usize),
+                    |line| lines.push(line as usize - next_panel),
+                );
+                if !ahead.is_empty() {
+                    let at = own + PREFETCH_BYTES + p * 128;
+                    assert_eq!(ahead, [at, at + 64]);
+                }
+            }
+        }
+        lines.sort_unstable();
+        lines
+    }
+
     #[test]
     fn passes_stream_every_line_of_the_next_panel_once() {
         // A panel of 48 input pairs (whole blocks), 45 of them used.
         let weights = vec![0u16; 48 * PAIR_STRIDE];
-        let (pairs, own) = (45, weights.as_ptr() as usize);
-        let next_panel = own + weights.len() * 2;
+        let pairs = 45;
+        let every: Vec<usize> = (0..2 * pairs).map(|i| i * 64).collect();
         for passes in 2..6 {
-            let mut lines = Vec::new();
-            for pass in 0..passes {
-                let plan = Prefetch::plan(&weights, pairs, pass, passes, true);
-                for p in 0..pairs {
-                    let (ahead, next) = plan.lines(p);
-                    assert_eq!(ahead[0] as usize, own + PREFETCH_BYTES + p * 128);
-                    assert_eq!(ahead[1] as usize, ahead[0] as usize + 64);
-                    lines.extend(next.map(|n| n as usize - next_panel));
-                }
-            }
-            lines.sort_unstable();
-            let every: Vec<usize> = (0..2 * pairs).map(|i| i * 64).collect();
-            assert_eq!(lines, every, "{passes} passes");
+            let plans: Vec<Prefetch> = (0..passes)
+                .map(|pass| Prefetch::plan(&weights, pairs, pass, passes, true))
+                .collect();
+            assert!(plans.iter().all(|plan| plan.ahead.is_some()));
+            assert_eq!(
+                next_panel_lines(&plans, &weights, pairs),
+                every,
+                "{passes} passes"
+            );
+        }
+        // The AVX2 kernel's quarter groups: the first prefetches ahead only, the later ones
+        // the next panel.
+        #[cfg(target_arch = "x86_64")]
+        for groups in 2..5 {
+            let plans: Vec<Prefetch> = (0..groups)
+                .map(|group| Prefetch::quarter_group(&weights, pairs, group, groups))
+                .collect();
+            assert!(plans[0].ahead.is_some() && plans[0].next.is_none());
+            assert_eq!(
+                next_panel_lines(&plans, &weights, pairs),
+                every,
+                "{groups} groups"
+            );
         }
         // One pass, or a pass told not to stream (the call's first panel, the FMA kernels):
         // only the lines ahead.
-        assert!(Prefetch::plan(&weights, pairs, 0, 1, true)
-            .lines(0)
-            .1
-            .is_none());
-        assert!(Prefetch::plan(&weights, pairs, 1, 2, false)
-            .lines(0)
-            .1
-            .is_none());
+        for plan in [
+            Prefetch::plan(&weights, pairs, 0, 1, true),
+            Prefetch::plan(&weights, pairs, 1, 2, false),
+        ] {
+            assert_eq!(
+                next_panel_lines(&[plan], &weights, pairs),
+                Vec::<usize>::new()
+            );
+        }
     }
 
     #[test]
