@@ -7,8 +7,9 @@
 //! turn one 64-byte load into 16 f32 weights of input `2p` and 16 of input `2p+1`. Panels
 //! follow each other in memory, so a call streams the matrix once from start to end; the
 //! kernel prefetches [`PREFETCH_BYTES`] ahead because the hardware prefetcher alone left a
-//! third of the memory bandwidth unused, and when a panel takes several dot-product passes,
-//! the next panel during them ([`Prefetch`]). Odd `k` and the last panel are padded with zeros.
+//! third of the memory bandwidth unused, and when a panel takes several passes (the dot
+//! kernel's row passes, the AVX2 kernel's quarter groups), the next panel during them
+//! ([`Prefetch`]). Odd `k` and the last panel are padded with zeros.
 //!
 //! Order of operations. Every output is `bias` (or 0) followed by one f32 FMA per input, in
 //! input order, rounded to bf16 once at the end. Nothing depends on `m` or on which rows are
@@ -467,8 +468,9 @@ impl Job<'_> {
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx { .. } => unreachable!("AMX is x86-64 only"),
             Kernel::Fma { x, stride, backend } => {
-                // The FMA chain's passes are compute-bound: streaming the next panel during them
-                // measured 3-5% slower at 32 rows on the Zen 4.
+                // The AVX-512 FMA chain's row passes are compute-bound: streaming the next panel
+                // during them measured 3-5% slower at 32 rows on the Zen 4. (The AVX2 kernel
+                // streams it within a pass, across its quarter groups.)
                 let passes = Passes {
                     rows: MAX_ROWS_PER_PASS,
                     stream_next: false,
