@@ -650,3 +650,55 @@ def accepted_length(tree: DraftTree, truth: list[int]) -> int:
             break
         node, n = children[0], n + 1
     return n
+
+
+def test_a_batch_of_pruned_trees_is_what_the_verifier_takes(tiny_ngram_path: Path) -> None:
+    """``build_trees`` of a batch (one ``prune_batch`` call, the calling thread pruning beside
+    the pool) gives each row the tree ``prune`` gives it alone, as a ``Tree`` whose lazily
+    built children, depths and mask agree with its parents."""
+    import torch
+
+    from dart_client.decoding.draft import DraftRows
+    from dart_client.decoding.prune import PrunerTreeBuilder, build_trees
+    from dart_client.decoding.verify import Tree
+
+    pruner = Pruner(NGram.open(str(tiny_ngram_path)), PrunerConfig(max_nodes=12))
+    rng = np.random.default_rng(3)
+    rows = 23  # more rows than pool threads, and budgets that differ per row
+    contexts = [rng.integers(3, 300, 8).astype(np.int64) for _ in range(rows)]
+    drafts = []
+    for _ in range(rows):
+        ids = np.stack([rng.choice(np.arange(3, 300), 25, replace=False) for _ in range(3)])
+        probs = rng.random((3, 25)).astype(np.float32)
+        drafts.append(
+            DraftRows(ids=ids.astype(np.int64), probs=probs / probs.sum(1, keepdims=True))
+        )
+    budgets = [int(b) for b in rng.integers(0, 13, rows)]
+    trees = build_trees(PrunerTreeBuilder(pruner), contexts, drafts, budgets, [None] * rows)
+    for b, tree in enumerate(trees):
+        if budgets[b] == 0:
+            assert tree.tokens == [int(contexts[b][-1])]
+            continue
+        alone = pruner.prune(contexts[b], drafts[b].ids, drafts[b].probs, budget=budgets[b])
+        want = Tree.build(alone.tokens.tolist(), alone.parents.tolist())
+        assert tree.tokens == want.tokens and tree.parents == want.parents
+        assert tree.children == want.children
+        assert torch.equal(tree.depths, want.depths) and torch.equal(tree.mask, want.mask)
+        assert len(tree) == budgets[b] + 1
+
+
+def test_the_batch_prune_benchmark_reports_every_figure(
+    tiny_ngram_path: Path, tmp_path: Path
+) -> None:
+    from dart_client.apps.bench import batch_prune
+
+    out = tmp_path / "figures.json"
+    batch_prune.main(
+        ["--model", str(tiny_ngram_path), "--rows", "2", "5", "--budgets", "1", "4",
+         "--calls", "3", "--gap-ms", "0.1", "--json", str(out)]
+    )  # fmt: skip
+    figures = json.loads(out.read_text())["figures"]
+    assert [(f["rows"], f["budget"]) for f in figures] == [(2, 1), (2, 4), (5, 1), (5, 4)]
+    for f in figures:
+        for name in ("build_trees", "prune_batch", "one_by_one"):
+            assert 0 < f[name]["p50_us"] <= f[name]["p90_us"]

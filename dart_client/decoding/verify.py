@@ -9,7 +9,7 @@ parent precedes its children.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,10 +30,22 @@ class Tree:
     parents: list[int]
     depths: torch.Tensor  # (n+1,) int64
     mask: torch.Tensor  # (n+1, n+1) bool
-    children: list[list[int]]
+    # Built on first use: a batch builds every row's tree each step, and the device's
+    # acceptance (the static path) never walks them.
+    _children: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def children(self) -> list[list[int]]:
+        """Each node's children, in node order."""
+        if self._children is None:
+            children: list[list[int]] = [[] for _ in self.parents]
+            for i in range(1, len(self.parents)):
+                children[self.parents[i]].append(i)
+            self._children = children
+        return self._children
 
     @classmethod
     def build(cls, tokens: Sequence[int], parents: Sequence[int]) -> Tree:
@@ -58,7 +70,7 @@ class Tree:
             parents=[int(p) for p in parents],
             depths=torch.tensor(depths, dtype=torch.int64),
             mask=mask,
-            children=children,
+            _children=children,
         )
 
     @classmethod
@@ -66,7 +78,7 @@ class Tree:
         """The root alone: autoregressive decoding makes one per row and step, so it shares
         its two constant tensors (trees are never changed in place)."""
         return cls(
-            tokens=[int(root)], parents=[-1], depths=ROOT_DEPTHS, mask=_ROOT_MASK, children=[[]]
+            tokens=[int(root)], parents=[-1], depths=ROOT_DEPTHS, mask=_ROOT_MASK, _children=[[]]
         )
 
     @classmethod
@@ -80,7 +92,6 @@ class Tree:
             parents=list(range(-1, n - 1)),
             depths=torch.arange(n, dtype=torch.int64),
             mask=torch.ones((n, n), dtype=torch.bool).tril(),
-            children=[[i + 1] for i in range(n - 1)] + [[]],
         )
 
     @classmethod
@@ -104,14 +115,13 @@ class Tree:
         tokens = np.asarray(tree.tokens).tolist()
         parents = np.asarray(tree.parents).tolist()
         n = len(tokens)
-        children: list[list[int]] = [[] for _ in range(n)]
-        for i in range(1, n):
-            children[parents[i]].append(i)
-        mask = torch.from_numpy(np.asarray(tree.attention_mask)).reshape(n, n)
+        mask = torch.from_numpy(np.asarray(tree.attention_mask))
+        if mask.dim() != 2:
+            mask = mask.reshape(n, n)
         if mask.dtype != torch.bool:
             mask = mask.bool()
         depths = torch.from_numpy(np.asarray(tree.depths, dtype=np.int64))
-        return cls(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children)
+        return cls(tokens=tokens, parents=parents, depths=depths, mask=mask)
 
 
 def verify_tree(

@@ -31,6 +31,11 @@ def as_numpy(x: Any) -> Any:
     return x
 
 
+def _ready(x: Any, dtype: type[np.generic], ndim: int) -> bool:
+    """Whether ``x`` is already the C-contiguous array of ``dtype`` and ``ndim`` asked for."""
+    return type(x) is np.ndarray and x.dtype == dtype and x.ndim == ndim and x.flags.c_contiguous
+
+
 def ids(
     x: Any,
     ndim: int,
@@ -40,6 +45,8 @@ def ids(
 ) -> npt.NDArray[np.int64]:
     """Integer token ids as a C-contiguous int64 array of ``ndim`` dimensions. ``error`` for a
     wrong dtype or shape; ``out_of_vocab`` (default ``error``) for uint64 ids beyond int64."""
+    if _ready(x, np.int64, ndim):
+        return x  # the decoding loop's arrays, every row of every step: nothing to convert
     a = np.asarray(as_numpy(x))
     if a.size == 0 and a.dtype.kind == "f":
         a = a.astype(np.int64)  # np.asarray([]) is float64
@@ -54,6 +61,8 @@ def ids(
 
 def probs(x: Any, ndim: int, what: str, error: type[Exception]) -> npt.NDArray[np.float32]:
     """Probabilities as a C-contiguous float32 array of ``ndim`` dimensions."""
+    if _ready(x, np.float32, ndim):
+        return x
     a = np.asarray(as_numpy(x))
     if a.dtype.kind != "f" and a.size:
         raise error(f"{what} must hold floating-point probabilities, got dtype {a.dtype}")

@@ -147,7 +147,7 @@ class Pruner:
 
     def _context(self, context: Any, what: str) -> tuple[npt.NDArray[np.int64], int]:
         """The tail of ``context`` the search reads, and where it starts in ``context``."""
-        c = as_numpy(context)
+        c = context if type(context) is np.ndarray else as_numpy(context)
         if not isinstance(c, (list, tuple, np.ndarray)):
             c = list(c)
         offset = max(len(c) - self._tail, 0)

@@ -22,6 +22,7 @@ pub mod limits;
 pub mod lookup;
 pub mod rows;
 pub mod scorer;
+mod shared;
 pub mod tree;
 pub mod workload;
 
@@ -56,6 +57,33 @@ pub struct DraftRequest<'a> {
     /// budget (those the beam kept anyway count once), the beam's best nodes fill the rest,
     /// and a path longer than the budget is cut to it. New nodes score `-inf`.
     pub lookup_path: &'a [u32],
+}
+
+/// A [`DraftRequest`] that owns its inputs: what [`Pruner::prune_shared`] hands to threads
+/// that may outlive the caller's borrows.
+#[derive(Clone, Debug, Default)]
+pub struct OwnedRequest {
+    pub context: Vec<u32>,
+    pub topk_ids: Vec<u32>,
+    pub topk_probs: Vec<f32>,
+    pub levels: usize,
+    pub k: usize,
+    pub budget: Option<usize>,
+    pub lookup_path: Vec<u32>,
+}
+
+impl OwnedRequest {
+    pub fn request(&self) -> DraftRequest<'_> {
+        DraftRequest {
+            context: &self.context,
+            topk_ids: &self.topk_ids,
+            topk_probs: &self.topk_probs,
+            levels: self.levels,
+            k: self.k,
+            budget: self.budget,
+            lookup_path: &self.lookup_path,
+        }
+    }
 }
 
 /// The pruner: a scorer (an n-gram model, possibly behind an `Arc`) and a configuration.

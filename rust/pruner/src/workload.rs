@@ -6,7 +6,7 @@
 
 use dart_ngram::NGramModel;
 
-use crate::DraftRequest;
+pub use crate::OwnedRequest;
 
 /// splitmix64: a small deterministic generator (benchmarks need repeatable inputs, not
 /// statistical quality).
@@ -83,30 +83,6 @@ pub fn walk_documents(model: &NGramModel, n: usize, len: usize, rng: &mut Rng) -
     docs
 }
 
-/// One draft-like request, owned: (context, `levels x k` ids, their probabilities).
-#[derive(Clone, Debug)]
-pub struct OwnedRequest {
-    pub context: Vec<u32>,
-    pub topk_ids: Vec<u32>,
-    pub topk_probs: Vec<f32>,
-    pub levels: usize,
-    pub k: usize,
-}
-
-impl OwnedRequest {
-    pub fn request(&self) -> DraftRequest<'_> {
-        DraftRequest {
-            context: &self.context,
-            topk_ids: &self.topk_ids,
-            topk_probs: &self.topk_probs,
-            levels: self.levels,
-            k: self.k,
-            budget: None,
-            lookup_path: &[],
-        }
-    }
-}
-
 /// `n` requests of `levels` rows of `k` candidates, at random positions of `docs` (each doc
 /// needs at least `16 + levels + 1` tokens; 16 tokens of context).
 pub fn draft_requests(
@@ -163,6 +139,7 @@ pub fn draft_requests(
             topk_probs: probs,
             levels,
             k,
+            ..OwnedRequest::default()
         });
     }
     out

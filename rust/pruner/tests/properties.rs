@@ -7,7 +7,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use common::{slow_prune, BruteScorer};
-use dart_pruner::{DraftRequest, DraftTree, NGramScorer, Pruner, PrunerConfig, PrunerError};
+use dart_pruner::{
+    DraftRequest, DraftTree, NGramScorer, OwnedRequest, Pruner, PrunerConfig, PrunerError,
+};
 use proptest::prelude::*;
 
 /// One random case: a scorer, a config and a request's arrays.
@@ -270,12 +272,39 @@ proptest! {
         let pruner = Pruner::new(&scorer, cases[0].config.clone()).unwrap();
         let reqs: Vec<DraftRequest<'_>> = cases.iter().map(|c| c.request()).collect();
         let batch = pruner.prune_batch(&reqs);
+        // The same requests owned, pruned by this thread alongside the pool (repeated so the
+        // batch outnumbers the threads), and from inside a pool thread.
+        let shared = Arc::new(Pruner::new(Arc::new(cases[0].scorer()), cases[0].config.clone()).unwrap());
+        let owned: Vec<OwnedRequest> = reqs
+            .iter()
+            .cycle()
+            .take(reqs.len() * 7)
+            .map(|r| OwnedRequest {
+                context: r.context.to_vec(),
+                topk_ids: r.topk_ids.to_vec(),
+                topk_probs: r.topk_probs.to_vec(),
+                levels: r.levels,
+                k: r.k,
+                budget: r.budget,
+                lookup_path: r.lookup_path.to_vec(),
+            })
+            .collect();
+        let outside = shared.prune_shared(owned.clone());
+        let inside = rayon::scope(|_| shared.prune_shared(owned.clone()));
         prop_assert_eq!(batch.len(), reqs.len());
-        for (r, got) in reqs.iter().zip(batch) {
-            match (pruner.prune(r), got) {
-                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
-                (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
-                (a, b) => prop_assert!(false, "prune {:?} vs batch {:?}", a, b),
+        prop_assert_eq!(outside.len(), owned.len());
+        prop_assert_eq!(inside.len(), owned.len());
+        let same = |a: &Result<DraftTree, PrunerError>, b: &Result<DraftTree, PrunerError>| match (a, b) {
+            (Ok(a), Ok(b)) => a == b,
+            (Err(a), Err(b)) => a.to_string() == b.to_string(),
+            _ => false,
+        };
+        for (i, r) in reqs.iter().enumerate() {
+            let alone = pruner.prune(r);
+            prop_assert!(same(&alone, &batch[i]), "prune {:?} vs batch {:?}", alone, batch[i]);
+            for j in (i..owned.len()).step_by(reqs.len()) {
+                prop_assert!(same(&alone, &outside[j]), "prune {:?} vs shared {:?}", alone, outside[j]);
+                prop_assert!(same(&alone, &inside[j]), "prune {:?} vs shared in the pool {:?}", alone, inside[j]);
             }
         }
     }

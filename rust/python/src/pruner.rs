@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use dart_ngram::NGramModel;
-use dart_pruner::{DraftRequest, DraftTree, PromptLookup, Pruner, PrunerConfig};
+use dart_pruner::{DraftTree, OwnedRequest, PromptLookup, Pruner, PrunerConfig};
 use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
@@ -94,17 +94,11 @@ fn non_negative(name: &str, v: i64) -> PyResult<usize> {
         .map_err(|_| PrunerError::new_err(format!("{name} = {v}; expected a non-negative integer")))
 }
 
-/// The owned inputs of one request, converted from int64.
-struct Owned {
-    context: Vec<u32>,
-    ids: Vec<u32>,
-    lookup: Vec<u32>,
-}
-
 /// A pruner over a mapped n-gram model (see `dart_client.ngram.pruner.Pruner`).
 #[pyclass(name = "Pruner", module = "dart_client._native", frozen)]
 pub struct PyPruner {
-    inner: Pruner<Arc<NGramModel>>,
+    /// Shared with the pool threads that help prune a batch ([`Pruner::prune_shared`]).
+    inner: Arc<Pruner<Arc<NGramModel>>>,
 }
 
 #[pymethods]
@@ -115,7 +109,9 @@ impl PyPruner {
     fn new(ngram: PyRef<'_, PyNGram>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
         let config = crate::config::pruner_config(config)?;
         let inner = Pruner::new(ngram.model(), config).map_err(to_py_err)?;
-        Ok(PyPruner { inner })
+        Ok(PyPruner {
+            inner: Arc::new(inner),
+        })
     }
 
     /// How many trailing context tokens a request needs (the rest is never read).
@@ -166,14 +162,16 @@ impl PyPruner {
         };
         let vocab = self.inner.scorer().vocab_size();
         let tree = py.detach(|| -> PyResult<DraftTree> {
-            let owned = Owned {
+            let owned = OwnedRequest {
                 context: ids_u32(ctx, vocab, |i| format!("context[{}]", context_offset + i))?,
-                ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
-                lookup: ids_u32(lookup, vocab, |i| format!("lookup_path[{i}]"))?,
+                topk_ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+                topk_probs: probs.to_vec(),
+                levels,
+                k,
+                budget,
+                lookup_path: ids_u32(lookup, vocab, |i| format!("lookup_path[{i}]"))?,
             };
-            self.inner
-                .prune(&request(&owned, probs, levels, k, budget))
-                .map_err(to_py_err)
+            self.inner.prune(&owned.request()).map_err(to_py_err)
         })?;
         tree_to_py(py, tree)
     }
@@ -195,12 +193,15 @@ impl PyPruner {
         let probs = contiguous(&topk_probs, "topk_probs")?;
         let vocab = self.inner.scorer().vocab_size();
         let times = py.detach(|| -> PyResult<Vec<f64>> {
-            let owned = Owned {
+            let owned = OwnedRequest {
                 context: ids_u32(ctx, vocab, |i| format!("context[{i}]"))?,
-                ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
-                lookup: Vec::new(),
+                topk_ids: ids_u32(ids, vocab, |i| format!("topk_ids[{}][{}]", i / k, i % k))?,
+                topk_probs: probs.to_vec(),
+                levels,
+                k,
+                ..OwnedRequest::default()
             };
-            let req = request(&owned, probs, levels, k, None);
+            let req = owned.request();
             (0..repeats)
                 .map(|_| {
                     let start = std::time::Instant::now();
@@ -294,26 +295,30 @@ impl PyPruner {
         let cells = levels * k;
         let vocab = self.inner.scorer().vocab_size();
         let trees = py.detach(|| -> PyResult<Vec<DraftTree>> {
-            let owned: Vec<Owned> = (0..batch)
+            let owned: Vec<OwnedRequest> = (0..batch)
                 .map(|b| {
-                    Ok(Owned {
+                    let cells_of = b * cells..(b + 1) * cells;
+                    Ok(OwnedRequest {
                         context: ids_u32(ctxs[b], vocab, |i| {
                             format!("contexts[{b}][{}]", offsets[b] + i)
                         })?,
-                        ids: ids_u32(&ids[b * cells..(b + 1) * cells], vocab, |i| {
+                        topk_ids: ids_u32(&ids[cells_of.clone()], vocab, |i| {
                             format!("topk_ids[{b}][{}][{}]", i / k, i % k)
                         })?,
-                        lookup: ids_u32(lookups[b], vocab, |i| format!("lookup_paths[{b}][{i}]"))?,
+                        topk_probs: probs[cells_of].to_vec(),
+                        levels,
+                        k,
+                        budget: budgets[b],
+                        lookup_path: ids_u32(lookups[b], vocab, |i| {
+                            format!("lookup_paths[{b}][{i}]")
+                        })?,
                     })
                 })
                 .collect::<PyResult<_>>()?;
-            let reqs: Vec<DraftRequest<'_>> = owned
-                .iter()
-                .enumerate()
-                .map(|(b, o)| request(o, &probs[b * cells..(b + 1) * cells], levels, k, budgets[b]))
-                .collect();
+            // This thread is Python's, outside rayon's pool: it prunes alongside the pool
+            // threads that wake in time instead of sleeping until they are done.
             self.inner
-                .prune_batch(&reqs)
+                .prune_shared(owned)
                 .into_iter()
                 .enumerate()
                 .map(|(b, r)| {
@@ -329,24 +334,6 @@ impl PyPruner {
                 .collect()
         })?;
         trees.into_iter().map(|t| tree_to_py(py, t)).collect()
-    }
-}
-
-fn request<'a>(
-    o: &'a Owned,
-    probs: &'a [f32],
-    levels: usize,
-    k: usize,
-    budget: Option<usize>,
-) -> DraftRequest<'a> {
-    DraftRequest {
-        context: &o.context,
-        topk_ids: &o.ids,
-        topk_probs: probs,
-        levels,
-        k,
-        budget,
-        lookup_path: &o.lookup,
     }
 }
 
