@@ -3,7 +3,7 @@
 # its own time limit and appends to one log, so a step that fails or runs long costs only itself.
 # Results (JSON, the logs) are packed into $OUT/results.tar after every step.
 #   bash deploy/gpu/unpack.sh ... && bash deploy/gpu/session.sh [STEP ...]
-# STEP: env static precision bench shapes shapes-real triton attention attention-batched real profile batched admission eagle3 generate, or next (docs/gpu.md's waiting list)
+# STEP: env static precision bench shapes shapes-real triton attention attention-batched real profile batched admission prune-host eagle3 generate, or next (docs/gpu.md's waiting list)
 # (default: all, in that order).
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -85,13 +85,16 @@ run() {
           --tree-budget auto --batch-tree-budget auto --methods ar-xN dart-xN --admission alone \
           --output "$R/batched-$b-alone.json"
       done ;;
+    # What a batched step's tree building costs this host (its cores idle between steps).
+    prune-host) step prune-host 45 python3 -m dart_client.apps.bench.batch_prune --model "$NG" \
+        --calls 100 --json "$R/batch-prune.json" ;;
     eagle3) step eagle3 120 python3 -m dart_client.apps.bench.cli --device cuda --ngram "$NG" \
         --workloads humaneval "$SG" --max-prompts 3 --max-new-tokens 128 --methods ar dart eagle3 \
         --no-progress --output-dir "$R/eagle3" ;;
     generate) step generate 240 env DART_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
         tests/test_generate.py ;;
     # What docs/gpu.md "Waiting for a GPU" lists, most wanted first (about 9 minutes).
-    next) for s in env batched admission attention-batched static real; do run "$s"; done ;;
+    next) for s in env prune-host batched admission attention-batched static real; do run "$s"; done ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 }
