@@ -660,7 +660,7 @@ def test_a_batch_of_pruned_trees_is_what_the_verifier_takes(tiny_ngram_path: Pat
 
     from dart_client.decoding.draft import DraftRows
     from dart_client.decoding.prune import PrunerTreeBuilder, build_trees
-    from dart_client.decoding.verify import Tree
+    from dart_client.decoding.verify import Tree, TreeBatch
 
     pruner = Pruner(NGram.open(str(tiny_ngram_path)), PrunerConfig(max_nodes=12))
     rng = np.random.default_rng(3)
@@ -684,7 +684,20 @@ def test_a_batch_of_pruned_trees_is_what_the_verifier_takes(tiny_ngram_path: Pat
         assert tree.tokens == want.tokens and tree.parents == want.parents
         assert tree.children == want.children
         assert torch.equal(tree.depths, want.depths) and torch.equal(tree.mask, want.mask)
-        assert len(tree) == budgets[b] + 1
+        assert len(tree) == budgets[b] + 1 == trees.size(b)
+    # The padded arrays the verifiers read (filled by the pruner in one call, the rows without
+    # a budget spread in after) equal the same trees packed one at a time in Python; a padding
+    # node is token 0, parent 0, depth 0 and sees only itself.
+    assert isinstance(trees, TreeBatch) and trees.width == max(len(t) for t in trees)
+    packed = TreeBatch.of([Tree.build(t.tokens, t.parents) for t in trees])
+    for name in ("tokens", "parents", "depths", "mask", "sizes"):
+        assert np.array_equal(getattr(trees, name), getattr(packed, name)), name
+    short = int(np.argmin(trees.sizes))
+    n, width = trees.size(short), trees.width
+    assert n < width
+    assert not trees.tokens[short, n:].any() and not trees.parents[short, n:].any()
+    assert not trees.depths[short, n:].any()
+    assert np.array_equal(trees.mask[short, n:], np.eye(width, dtype=bool)[n:])
 
 
 def test_the_batch_prune_benchmark_reports_every_figure(

@@ -40,7 +40,7 @@ from dart_client.decoding.loop import PRUNER_CONTEXT, generate
 from dart_client.decoding.prune import build_tree, build_trees
 from dart_client.decoding.static import StaticVerifier, resolve_static, static_capacity
 from dart_client.decoding.static_batch import StaticBatchVerifier
-from dart_client.decoding.verify import Tree, verify_tree, verify_trees
+from dart_client.decoding.verify import Tree, TreeBatch, verify_tree, verify_trees
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.linear import cpu_matmul
 
@@ -764,8 +764,11 @@ def _batch_costs(
     for row in range(batch):
         cache.put_row(row, single)
     rng = np.random.default_rng(seed + 1)
-    trees = {b: [_random_tree(b + 1, rng, target.vocab_size)] * batch for b in budgets}
-    roots = [Tree.root_only(1)] * batch
+    # Packed once, as a step's pruner packs them.
+    trees = {
+        b: TreeBatch.of([_random_tree(b + 1, rng, target.vocab_size)] * batch) for b in budgets
+    }
+    roots = TreeBatch.roots([1] * batch)
     # The head: its cache holds the context's positions (the taps of one forward over it).
     ids = torch.tensor([rng.integers(0, target.vocab_size, size=n + 1).tolist()])
     ids = ids.to(target.device)

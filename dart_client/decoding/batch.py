@@ -60,7 +60,7 @@ from dart_client.decoding.static import (
     verifier_for,
 )
 from dart_client.decoding.static_batch import StaticBatchVerifier
-from dart_client.decoding.verify import Tree, verify_trees
+from dart_client.decoding.verify import TreeBatch, verify_trees
 from dart_client.errors import ContextTooLongError, InvalidArgumentError
 from dart_client.models.target import attention_mask
 
@@ -527,7 +527,7 @@ class BatchGenerator:
             )
             lap("prune")
         else:
-            trees = [Tree.root_only(row.run.generated[-1]) for row in rows]
+            trees = TreeBatch.roots([row.run.generated[-1] for row in rows])
         frontier = self.cache.length
         row_taps: list[torch.Tensor] | None = None
         # The greedy program accepts on the device and returns no logits: a row reporting
@@ -580,10 +580,10 @@ class BatchGenerator:
                 for b, acc in enumerate(accepted):
                     index = torch.tensor(acc.nodes, dtype=torch.long, device=self.device)
                     row_taps.append(taps[b].index_select(0, index))
-        for b, (row, tree, acc) in enumerate(zip(rows, trees, accepted, strict=True)):
+        for b, (row, acc) in enumerate(zip(rows, accepted, strict=True)):
             new = acc.new_tokens
             scores = None if row.run.logprobs is None else node_rows(logits[b], acc)
-            events.append((row.request, row.run._emit(new, len(new), len(tree), stage, scores)))
+            events.append((row.request, row.run._emit(new, len(new), trees.size(b), stage, scores)))
             if row_taps is not None and self.head is not None:
                 row.taps, row.next_ids, row.rows = row_taps[b], new, None
         lap("emit")

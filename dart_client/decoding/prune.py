@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from dart_client.decoding.draft import DraftRows
-from dart_client.decoding.verify import Tree
+from dart_client.decoding.verify import Tree, TreeBatch
 from dart_client.ngram.pruner import DraftTree, PrunerConfig
 
 __all__ = [
@@ -95,17 +95,23 @@ class PrunerTreeBuilder:
         rows: Sequence[DraftRows],
         budgets: Sequence[int],
         lookup_paths: Sequence[np.ndarray | None] | None = None,
-    ) -> list[Tree]:
+    ) -> TreeBatch:
         """Every sequence's tree in one ``prune_batch`` call (the Rust pruner builds them in
-        parallel)."""
-        trees = self.pruner.prune_batch(
+        parallel), padded into one batch where the pruner can (in process)."""
+        args = (
             list(contexts),
             np.stack([r.ids for r in rows]),
             np.stack([r.probs for r in rows]),
-            budgets=list(budgets),
-            lookup_paths=None if lookup_paths is None else list(lookup_paths),
         )
-        return [Tree.from_draft_tree(t) for t in trees]
+        kwargs = {
+            "budgets": list(budgets),
+            "lookup_paths": None if lookup_paths is None else list(lookup_paths),
+        }
+        padded = getattr(self.pruner, "prune_batch_padded", None)
+        if callable(padded):
+            return TreeBatch.from_padded(padded(*args, **kwargs))
+        trees = self.pruner.prune_batch(*args, **kwargs)
+        return TreeBatch.of([Tree.from_draft_tree(t) for t in trees])
 
 
 def build_tree(
@@ -128,28 +134,28 @@ def build_trees(
     rows: Sequence[DraftRows],
     budgets: Sequence[int],
     lookup_paths: Sequence[np.ndarray | None],
-) -> list[Tree]:
+) -> TreeBatch:
     """The trees of a batch of sequences: one ``build_batch`` call where the builder has one
     (:class:`PrunerTreeBuilder`), else :func:`build_tree` per sequence. A sequence with no
     room for a draft node (budget 0) gets its root alone."""
     todo = [i for i, b in enumerate(budgets) if b > 0]
-    # Root-only trees only where there is no room (one per row would cost as much as pruning).
-    trees = {i: Tree.root_only(int(c[-1])) for i, c in enumerate(contexts) if budgets[i] <= 0}
+    roots = [int(c[-1]) for c in contexts]
     if not todo:
-        return [trees[i] for i in range(len(contexts))]
+        return TreeBatch.roots(roots)
     batch = getattr(builder, "build_batch", None)
     if callable(batch):
         paths = [lookup_paths[i] for i in todo]
         paths = [p if p is not None and p.size else None for p in paths]
-        built = batch(
-            [contexts[i] for i in todo],
-            [rows[i] for i in todo],
-            [budgets[i] for i in todo],
-            None if all(p is None for p in paths) else paths,
+        built = TreeBatch.of(
+            batch(
+                [contexts[i] for i in todo],
+                [rows[i] for i in todo],
+                [budgets[i] for i in todo],
+                None if all(p is None for p in paths) else paths,
+            )
         )
     else:
-        built = [
-            build_tree(builder, contexts[i], rows[i], budgets[i], lookup_paths[i]) for i in todo
-        ]
-    trees.update(zip(todo, built, strict=True))
-    return [trees[i] for i in range(len(contexts))]
+        built = TreeBatch.of(
+            [build_tree(builder, contexts[i], rows[i], budgets[i], lookup_paths[i]) for i in todo]
+        )
+    return built if len(todo) == len(contexts) else built.spread(todo, roots)

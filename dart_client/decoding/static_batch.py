@@ -46,11 +46,11 @@ from dart_client.decoding.static import (
     bucket_sizes,
     greedy_acceptance,
 )
+from dart_client.decoding.verify import Tree, TreeBatch
 from dart_client.errors import InvalidArgumentError
 from dart_client.models.target import compact_rows
 
 if TYPE_CHECKING:
-    from dart_client.decoding.verify import Tree
     from dart_client.models.head import DartHead, HeadCache
     from dart_client.models.target import TargetCache, TargetModel
 
@@ -156,18 +156,22 @@ class StaticBatchVerifier(StaticPrograms):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def greedy_step(self, trees: Sequence[Tree]) -> BatchStep:
+    def greedy_step(self, trees: TreeBatch | Sequence[Tree]) -> BatchStep:
         """Verify every live row's tree (``trees[b]`` for row b), accept greedily and compact
         on the device; the rows' lengths then count their accepted nodes."""
-        state = self.load(trees)
+        batch = TreeBatch.of(trees)
+        state = self.load(batch)
         out = self.run_greedy(state)
-        return self.accepted(state, out, trees)
+        return self.accepted(state, out, batch)
 
     def run_greedy(self, state: _Bucket) -> dict[str, Any]:
         return self._execute(state, "greedy")
 
-    def accepted(self, state: _Bucket, out: dict[str, Any], trees: Sequence[Tree]) -> BatchStep:
+    def accepted(
+        self, state: _Bucket, out: dict[str, Any], trees: TreeBatch | Sequence[Tree]
+    ) -> BatchStep:
         """The one copy out and its reading; moves each live row's length."""
+        batch = TreeBatch.of(trees)
         host = state.host_out
         host.copy_(out["result"], non_blocking=host.is_pinned())
         if host.is_pinned():
@@ -184,14 +188,16 @@ class StaticBatchVerifier(StaticPrograms):
             start = 2 * rows + rows * size
             ids = values[start : start + cells].astype(np.int64).reshape(shape)
             probs = values[start + cells : start + 2 * cells].astype(np.float32).reshape(shape)
-            drafted = [DraftRows(ids=ids[b], probs=probs[b]) for b in range(len(trees))]
+            drafted = [DraftRows(ids=ids[b], probs=probs[b]) for b in range(len(batch))]
         acceptances, taps = [], []
-        for b, tree in enumerate(trees):
+        for b in range(len(batch)):
             count = int(counts[b])
-            nodes = paths[b, :count].tolist()
+            nodes = paths[b, :count]
             acceptances.append(
                 Acceptance(
-                    nodes=nodes, tokens=[tree.tokens[i] for i in nodes[1:]], bonus=int(bonuses[b])
+                    nodes=nodes.tolist(),
+                    tokens=batch.tokens[b, nodes[1:]].tolist(),
+                    bonus=int(bonuses[b]),
                 )
             )
             taps.append(out["taps"][b, :count])
@@ -201,27 +207,28 @@ class StaticBatchVerifier(StaticPrograms):
             self.head_cache.grow_rows(counts_live)
         return BatchStep(acceptances, taps, drafted)
 
-    def forward(self, trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, trees: TreeBatch | Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward alone (a batch with sampling rows accepts on the host): logits
         ``(live, n, V)`` and taps ``(live, n, 3H)`` of the largest tree's ``n`` nodes per row
         (a smaller tree's padding after its own), written at the frontier as
         :func:`~dart_client.decoding.verify.verify_trees` does, for ``cache.keep_rows``."""
-        state = self.load(trees)
+        batch = TreeBatch.of(trees)
+        state = self.load(batch)
         out = self._execute(state, "forward")
-        live = len(trees)
-        n = max(len(t) for t in trees)
+        live, n = len(batch), batch.width
         return out["logits"][:live, :n], out["taps"][:live, :n]
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def load(self, trees: Sequence[Tree]) -> _Bucket:
+    def load(self, trees: TreeBatch | Sequence[Tree]) -> _Bucket:
         """Pack every live row's tree into its bucket's host buffer; one copy to the device."""
-        live = len(trees)
+        batch = TreeBatch.of(trees)
+        live = len(batch)
         lengths = self.cache.rows.lengths
         if live != len(lengths):
             raise InvalidArgumentError(f"{live} trees for {len(lengths)} live rows")
         rows = row_bucket(live, self.batch)
-        size = self.bucket(max(len(t) for t in trees))
+        size = self.bucket(batch.width)
         frontier = max(lengths)
         if frontier + size > self.trash:
             raise InvalidArgumentError(
@@ -240,7 +247,7 @@ class StaticBatchVerifier(StaticPrograms):
             head_window = attention_window(head_end, self.head_cache.capacity)
         key = (rows, size, window, head_window)
         state = self._state.get(key) or self._new_bucket(rows, size, window, head_window)
-        self._pack(state, trees, frontier)
+        self._pack(state, batch, frontier)
         state.device_in.copy_(state.host_in, non_blocking=state.host_in.is_pinned())
         return state
 
@@ -265,28 +272,26 @@ class StaticBatchVerifier(StaticPrograms):
         self._state[(rows, size, window, head_window)] = state
         return state
 
-    def _pack(self, state: _Bucket, trees: Sequence[Tree], frontier: int) -> None:
+    def _pack(self, state: _Bucket, batch: TreeBatch, frontier: int) -> None:
         rows, size = state.rows, state.size
         words = state.host_in.numpy()
         words[:] = 0
-        words[0], words[1] = frontier, len(trees)
+        live, width = len(batch), batch.width
+        words[0], words[1] = frontier, live
         fields = _layout(words, rows, size)
-        lengths, sizes, head_lengths = fields["lengths"], fields["sizes"], fields["head_lengths"]
-        tokens, depths, parents = fields["tokens"], fields["depths"], fields["parents"]
         mask = fields["mask_words"].view(np.uint8)[: rows * size * size].reshape(rows, size, size)
         # A padded node sees only itself (a well-defined softmax); nothing sees it.
         pad = np.arange(size)
         mask[:, pad, pad] = 1
-        for b, tree in enumerate(trees):
-            n = len(tree)
-            lengths[b] = self.cache.rows.lengths[b]
-            if self.head_cache is not None:
-                head_lengths[b] = self.head_cache.rows.lengths[b]
-            sizes[b] = n
-            tokens[b, :n] = tree.tokens
-            depths[b, :n] = tree.depths.numpy()
-            parents[b, 1:n] = np.asarray(tree.parents[1:], dtype=np.int64)
-            mask[b, :n, :n] = tree.mask.numpy()
+        fields["lengths"][:live] = self.cache.rows.lengths
+        if self.head_cache is not None:
+            fields["head_lengths"][:live] = self.head_cache.rows.lengths
+        fields["sizes"][:live] = batch.sizes
+        fields["tokens"][:live, :width] = batch.tokens
+        fields["depths"][:live, :width] = batch.depths
+        # The root's parent stays 0, as a padded node's.
+        fields["parents"][:live, 1:width] = batch.parents[:, 1:]
+        mask[:live, :width, :width] = batch.mask
 
     # -- the device program -----------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -124,6 +124,116 @@ class Tree:
         return cls(tokens=tokens, parents=parents, depths=depths, mask=mask)
 
 
+class TreeBatch(Sequence[Tree]):
+    """Every row's draft tree of a batched step, padded to the largest (``width`` nodes), in
+    one set of arrays the batched verifiers read at once: ``tokens``, ``parents``, ``depths``
+    (B, S) int64, ``mask`` (B, S, S) bool, ``sizes`` (B,) int64. Row b's first ``sizes[b]``
+    nodes are its tree; a padding node has token 0, parent 0 and depth 0 and sees only itself
+    (as :class:`~dart_client.ngram.pruner.PaddedTrees`, which the pruner fills in one call).
+    ``batch[b]`` is row b's :class:`Tree`, built on first use (the static path's device-side
+    acceptance never needs one). The arrays are shared with those trees: never changed."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        depths: np.ndarray,
+        mask: np.ndarray,
+        sizes: np.ndarray,
+        trees: Sequence[Tree | None] | None = None,
+    ) -> None:
+        self.tokens, self.parents, self.depths, self.mask = tokens, parents, depths, mask
+        self.sizes = sizes
+        self._trees: list[Tree | None] = list(trees) if trees is not None else [None] * len(sizes)
+
+    @classmethod
+    def of(cls, trees: TreeBatch | Sequence[Tree]) -> TreeBatch:
+        """``trees`` as a batch (packed here, one row at a time, unless it is one)."""
+        if isinstance(trees, TreeBatch):
+            return trees
+        rows, width = len(trees), max(len(t) for t in trees)
+        tokens = np.zeros((rows, width), dtype=np.int64)
+        parents = np.zeros((rows, width), dtype=np.int64)
+        depths = np.zeros((rows, width), dtype=np.int64)
+        mask = np.broadcast_to(np.eye(width, dtype=np.bool_), (rows, width, width)).copy()
+        sizes = np.zeros(rows, dtype=np.int64)
+        for b, tree in enumerate(trees):
+            n = sizes[b] = len(tree)
+            tokens[b, :n] = tree.tokens
+            parents[b, :n] = tree.parents
+            depths[b, :n] = tree.depths.numpy()
+            mask[b, :n, :n] = tree.mask.numpy()
+        return cls(tokens, parents, depths, mask, sizes, trees)
+
+    @classmethod
+    def from_padded(cls, padded: Any) -> TreeBatch:
+        """From the pruner's :class:`~dart_client.ngram.pruner.PaddedTrees` (no copy)."""
+        return cls(padded.tokens, padded.parents, padded.depths, padded.mask, padded.sizes)
+
+    @classmethod
+    def roots(cls, roots: Sequence[int]) -> TreeBatch:
+        """Every row its root alone (a batched autoregressive step)."""
+        rows = len(roots)
+        return cls(
+            np.asarray(roots, dtype=np.int64).reshape(rows, 1),
+            np.full((rows, 1), -1, dtype=np.int64),
+            np.zeros((rows, 1), dtype=np.int64),
+            np.ones((rows, 1, 1), dtype=np.bool_),
+            np.ones(rows, dtype=np.int64),
+        )
+
+    def spread(self, at: Sequence[int], roots: Sequence[int]) -> TreeBatch:
+        """A batch of ``len(roots)`` rows: this batch's row i as row ``at[i]``, every other row
+        its root alone (``roots[b]``)."""
+        out = TreeBatch.roots(roots).widened(self.width)
+        index = np.asarray(at, dtype=np.intp)
+        for name in ("tokens", "parents", "depths", "mask", "sizes"):
+            getattr(out, name)[index] = getattr(self, name)
+        for i, b in enumerate(at):
+            out._trees[b] = self._trees[i]
+        return out
+
+    def widened(self, width: int) -> TreeBatch:
+        """The same trees padded to ``width`` nodes (at least ``self.width``)."""
+        rows, pad = len(self), width - self.width
+        eye = np.broadcast_to(np.eye(width, dtype=np.bool_), (rows, width, width)).copy()
+        eye[:, : self.width, : self.width] = self.mask
+        wide = [np.pad(a, ((0, 0), (0, pad))) for a in (self.tokens, self.parents, self.depths)]
+        return TreeBatch(*wide, eye, self.sizes.copy(), self._trees)
+
+    @property
+    def width(self) -> int:
+        """Nodes per row (the largest tree's)."""
+        return int(self.tokens.shape[1])
+
+    def size(self, b: int) -> int:
+        return int(self.sizes[b])
+
+    def __len__(self) -> int:
+        return len(self._trees)
+
+    @overload
+    def __getitem__(self, b: int) -> Tree: ...
+
+    @overload
+    def __getitem__(self, b: slice) -> list[Tree]: ...
+
+    def __getitem__(self, b: int | slice) -> Tree | list[Tree]:
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self)))]
+        tree = self._trees[b]
+        if tree is None:
+            n = int(self.sizes[b])
+            tree = Tree(
+                tokens=self.tokens[b, :n].tolist(),
+                parents=self.parents[b, :n].tolist(),
+                depths=torch.from_numpy(self.depths[b, :n]),
+                mask=torch.from_numpy(np.ascontiguousarray(self.mask[b, :n, :n])),
+            )
+            self._trees[b] = tree
+        return tree
+
+
 def verify_tree(
     target: TargetModel, cache: TargetCache, tree: Tree
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +252,10 @@ def verify_tree(
 
 
 def verify_trees(
-    target: TargetModel, cache: TargetCache, trees: Sequence[Tree], taps: bool = True
+    target: TargetModel,
+    cache: TargetCache,
+    trees: TreeBatch | Sequence[Tree],
+    taps: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target forward over the trees of every live row of a batched cache.
 
@@ -153,16 +266,11 @@ def verify_trees(
     Root-only trees make this one autoregressive step for every row.
     """
     device = target.device
-    b = len(trees)
-    n = max(len(t) for t in trees)
-    ids = torch.zeros((b, n), dtype=torch.long)
-    depths = torch.zeros((b, n), dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
-    for row, tree in enumerate(trees):
-        size = len(tree)
-        ids[row, :size] = torch.tensor(tree.tokens, dtype=torch.long)
-        depths[row, :size] = tree.depths
-        mask[row, :size, :size] = tree.mask
+    batch = TreeBatch.of(trees)
+    n = batch.width
+    ids = torch.from_numpy(batch.tokens)
+    depths = torch.from_numpy(batch.depths)
+    mask = torch.from_numpy(batch.mask)
     lengths = torch.tensor(cache.rows.lengths, dtype=torch.long).unsqueeze(1)
     return target.forward(
         ids.to(device),

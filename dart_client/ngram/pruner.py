@@ -41,7 +41,7 @@ from dart_client.ngram.inputs import as_numpy
 if TYPE_CHECKING:
     from dart_client.ngram.model import NGram
 
-__all__ = ["DraftTree", "Pruner", "PrunerConfig", "PrunerError"]
+__all__ = ["DraftTree", "PaddedTrees", "Pruner", "PrunerConfig", "PrunerError"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,20 @@ def _path(path: Any, what: str) -> npt.NDArray[np.int64] | None:
     return inputs.lookup_path(path, what, PrunerError, TokenOutOfVocabError)
 
 
+@dataclass(frozen=True, eq=False)
+class PaddedTrees:
+    """Many draft trees padded to the largest, ``S`` nodes: ``tokens``, ``parents``,
+    ``depths`` (B, S) int64, ``mask`` (B, S, S) bool, ``sizes`` (B,) int64. Row b's first
+    ``sizes[b]`` nodes are its tree, as :class:`DraftTree` holds it; a padding node has token
+    0, parent 0 and depth 0 and sees only itself."""
+
+    tokens: npt.NDArray[np.int64]
+    parents: npt.NDArray[np.int64]
+    depths: npt.NDArray[np.int64]
+    mask: npt.NDArray[np.bool_]
+    sizes: npt.NDArray[np.int64]
+
+
 class Pruner:
     """The in-process pruner over an :class:`dart_client.ngram.NGram` model."""
 
@@ -190,13 +204,43 @@ class Pruner:
         ``topk_ids``/``topk_probs`` (B, L, k), ``budgets`` B values (int or None) or None,
         ``lookup_paths`` B paths (or None each) or None. Results equal
         ``[prune(...) for each request]``; an error names the request."""
+        out = self._native.prune_batch(
+            *self._batch_args(contexts, topk_ids, topk_probs, budgets, lookup_paths)
+        )
+        return [DraftTree(*t) for t in out]
+
+    def prune_batch_padded(
+        self,
+        contexts: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budgets: Sequence[int | None] | None = None,
+        lookup_paths: Sequence[Any] | None = None,
+    ) -> PaddedTrees:
+        """:meth:`prune_batch`'s trees padded to the largest, in one set of arrays (see
+        :class:`PaddedTrees`): what a batched decoding step verifies, without a Python object
+        per tree."""
+        out = self._native.prune_batch(
+            *self._batch_args(contexts, topk_ids, topk_probs, budgets, lookup_paths), padded=True
+        )
+        return PaddedTrees(*out)
+
+    def _batch_args(
+        self,
+        contexts: Any,
+        topk_ids: Any,
+        topk_probs: Any,
+        budgets: Sequence[int | None] | None,
+        lookup_paths: Sequence[Any] | None,
+    ) -> tuple[Any, ...]:
+        """A batch's inputs as the native calls take them."""
         tails = [self._context(c, f"contexts[{i}]") for i, c in enumerate(as_numpy(contexts))]
         if budgets is not None:
             budgets = [_budget(b, f"budgets[{i}]") for i, b in enumerate(budgets)]
         paths = None
         if lookup_paths is not None:
             paths = [_path(p, f"lookup_paths[{i}]") for i, p in enumerate(lookup_paths)]
-        out = self._native.prune_batch(
+        return (
             [t[0] for t in tails],
             _ids(topk_ids, 3, "topk_ids"),
             _probs(topk_probs, 3, "topk_probs"),
@@ -204,4 +248,3 @@ class Pruner:
             [t[1] for t in tails],
             paths,
         )
-        return [DraftTree(*t) for t in out]

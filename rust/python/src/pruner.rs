@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use dart_ngram::NGramModel;
 use dart_pruner::{DraftTree, OwnedRequest, PromptLookup, Pruner, PrunerConfig};
-use numpy::ndarray::Array2;
+use numpy::ndarray::{Array2, Array3};
 use numpy::{
-    IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyUntypedArrayMethods,
+    IntoPyArray, PyArray1, PyArray2, PyArray3, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -65,6 +65,49 @@ fn tree_to_py(py: Python<'_>, tree: DraftTree) -> PyResult<PyTree<'_>> {
         mask.into_pyarray(py),
         retrieve.into_pyarray(py),
         PyArray1::from_vec(py, tree.scores),
+    ))
+}
+
+/// Trees padded into one set of arrays: `(tokens, parents, depths, mask, sizes)`.
+pub(crate) type PyPaddedTrees<'py> = (
+    Bound<'py, PyArray2<i64>>,
+    Bound<'py, PyArray2<i64>>,
+    Bound<'py, PyArray2<i64>>,
+    Bound<'py, PyArray3<bool>>,
+    Bound<'py, PyArray1<i64>>,
+);
+
+/// `trees` padded to the largest (see `PyPruner::prune_batch`).
+fn padded_to_py<'py>(py: Python<'py>, trees: &[DraftTree]) -> PyResult<PyPaddedTrees<'py>> {
+    let (rows, width) = (
+        trees.len(),
+        trees.iter().map(DraftTree::len).max().unwrap_or(0),
+    );
+    let mut tokens = Array2::<i64>::zeros((rows, width));
+    let mut parents = Array2::<i64>::zeros((rows, width));
+    let mut depths = Array2::<i64>::zeros((rows, width));
+    let mut mask = Array3::<bool>::from_elem((rows, width, width), false);
+    for (b, tree) in trees.iter().enumerate() {
+        let n = tree.len();
+        for i in 0..n {
+            tokens[(b, i)] = tree.tokens[i];
+            parents[(b, i)] = tree.parents[i];
+            depths[(b, i)] = tree.depths[i];
+            for j in 0..n {
+                mask[(b, i, j)] = tree.attention_mask[i * n + j];
+            }
+        }
+        for i in n..width {
+            mask[(b, i, i)] = true;
+        }
+    }
+    let sizes: Vec<i64> = trees.iter().map(|t| t.len() as i64).collect();
+    Ok((
+        tokens.into_pyarray(py),
+        parents.into_pyarray(py),
+        depths.into_pyarray(py),
+        mask.into_pyarray(py),
+        PyArray1::from_vec(py, sizes),
     ))
 }
 
@@ -216,9 +259,13 @@ impl PyPruner {
     }
 
     /// `context_offsets[b]` and `lookup_paths[b]`: as `context_offset` and `lookup_path` of
-    /// `prune`, per request.
+    /// `prune`, per request. With `padded`, the trees come back padded to the largest in one
+    /// set of arrays (what a batched step verifies, without a Python object per tree):
+    /// `(tokens, parents, depths, mask, sizes)`, `(B, S)` int64 each, `(B, S, S)` bool and
+    /// `(B,)` int64, `S` the largest tree's size; row b's first `sizes[b]` nodes are its tree,
+    /// and a padding node has token 0, parent 0 and depth 0 and sees only itself.
     #[pyo3(signature = (contexts, topk_ids, topk_probs, budgets=None, context_offsets=None,
-                        lookup_paths=None))]
+                        lookup_paths=None, padded=false))]
     #[allow(clippy::too_many_arguments)]
     fn prune_batch<'py>(
         &self,
@@ -229,7 +276,8 @@ impl PyPruner {
         budgets: Option<Vec<Option<i64>>>,
         context_offsets: Option<Vec<usize>>,
         lookup_paths: Option<Vec<Option<PyReadonlyArray1<'py, i64>>>>,
-    ) -> PyResult<Vec<PyTree<'py>>> {
+        padded: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         self.inner.scorer().check_unchanged().map_err(to_py)?;
         let shape = topk_ids.shape();
         let (batch, levels, k) = (shape[0], shape[1], shape[2]);
@@ -333,7 +381,14 @@ impl PyPruner {
                 })
                 .collect()
         })?;
-        trees.into_iter().map(|t| tree_to_py(py, t)).collect()
+        if padded {
+            return Ok(padded_to_py(py, &trees)?.into_pyobject(py)?.into_any());
+        }
+        let trees: Vec<PyTree<'py>> = trees
+            .into_iter()
+            .map(|t| tree_to_py(py, t))
+            .collect::<PyResult<_>>()?;
+        Ok(trees.into_pyobject(py)?.into_any())
     }
 }
 
