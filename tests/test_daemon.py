@@ -200,6 +200,8 @@ def test_prob_matches_local_for_any_ids(
 
 
 def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NGram) -> None:
+    from dart_client.decoding.draft import DraftRows
+    from dart_client.decoding.prune import PrunerTreeBuilder, build_trees
     from dart_client.ngram.pruner import Pruner, PrunerConfig
 
     rng = np.random.default_rng(2)
@@ -235,6 +237,17 @@ def test_prunes_match_local_on_many_random_drafts(remote: RemoteNGram, local: NG
         assert len(got) == len(want) == 16
         for a, b in zip(got, want, strict=True):
             assert_same_tree(a, b)
+        # A batched step's trees: padded by the local pruner in its call, packed from the
+        # daemon's trees by the client, the same arrays.
+        rows = [DraftRows(ids=ids[j], probs=probs[j]) for j in range(16)]
+        budgets_now = [b or 0 for b in budgets]  # a row without room gets its root alone
+        arrays = [None if p is None else np.asarray(p, dtype=np.int64) for p in paths]
+        batches = [
+            build_trees(PrunerTreeBuilder(p), contexts, rows, budgets_now, arrays)
+            for p in (remote_pruner, local_pruner)
+        ]
+        for name in ("tokens", "parents", "depths", "mask", "sizes"):
+            assert np.array_equal(getattr(batches[0], name), getattr(batches[1], name)), name
 
 
 @pytest.mark.parametrize("spin", [0.0, 0.0005, 0.05])
