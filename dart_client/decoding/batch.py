@@ -544,12 +544,11 @@ class BatchGenerator:
             out = verifier.run_greedy(loaded)
             lap("verify")
             outcome = verifier.accepted(loaded, out, trees)
-            accepted, row_taps = outcome.acceptances, outcome.taps
+            accepted = outcome.acceptances
             if outcome.rows is not None:
                 # Drafted in the same program: the next step prunes these.
                 for row, fresh in zip(rows, outcome.rows, strict=True):
                     row.rows = fresh
-                row_taps = None
             lap("accept")
         else:
             if self.static:

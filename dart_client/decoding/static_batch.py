@@ -105,12 +105,11 @@ class _Bucket:
 
 @dataclass
 class BatchStep:
-    """A greedy batched step's acceptances (one per live row), each row's accepted nodes'
-    taps ``(count, 3H)`` (views of a static buffer: read them before the next step) and,
-    with a head, each row's next draft rows (drafted in the same program)."""
+    """A greedy batched step's acceptances (one per live row) and, with a head, each row's
+    next draft rows (drafted in the same program, from the accepted nodes' taps: the host
+    never reads the taps)."""
 
     acceptances: list[Acceptance]
-    taps: list[torch.Tensor]
     rows: list[DraftRows] | None = None
 
 
@@ -189,7 +188,7 @@ class StaticBatchVerifier(StaticPrograms):
             ids = values[start : start + cells].astype(np.int64).reshape(shape)
             probs = values[start + cells : start + 2 * cells].astype(np.float32).reshape(shape)
             drafted = [DraftRows(ids=ids[b], probs=probs[b]) for b in range(len(batch))]
-        acceptances, taps = [], []
+        acceptances = []
         for b in range(len(batch)):
             count = int(counts[b])
             nodes = paths[b, :count]
@@ -200,12 +199,11 @@ class StaticBatchVerifier(StaticPrograms):
                     bonus=int(bonuses[b]),
                 )
             )
-            taps.append(out["taps"][b, :count])
         counts_live = [len(a.nodes) for a in acceptances]
         self.cache.grow_rows(counts_live)
         if self.head_cache is not None and drafted is not None:
             self.head_cache.grow_rows(counts_live)
-        return BatchStep(acceptances, taps, drafted)
+        return BatchStep(acceptances, drafted)
 
     def forward(self, trees: TreeBatch | Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward alone (a batch with sampling rows accepts on the host): logits
