@@ -396,6 +396,31 @@ def test_stop_strings_inside_a_batch_end_their_row_as_alone(target: Any, head: D
     assert any(sum(r.accept_lengths) > len(r.tokens) for r in got[:2])
 
 
+def test_text_is_the_same_streamed_or_decoded_at_the_end(target: Any, head: DartHead) -> None:
+    """``generate_batch`` (which returns only results) decodes each row's text once at the
+    end; a batch generator's events stream it step by step (a delta each); both give the
+    tokenizer's decoding of the tokens."""
+    tok = make_tiny_tokenizer()
+    prompts = random_prompts(3, seed=43)
+    dm = DartModel(target, head, tokenizer=tok, tree_builder=None)
+    free = [alone(dm, p, "ar", max_new_tokens=20) for p in prompts]
+    dm.tree_builder = Truths([p + f for p, f in zip(prompts, free, strict=True)], depth=5)
+    config = GenerationConfig(max_new_tokens=20, tree_budget=8)
+    results = dm.generate_batch(prompts, config)
+    batch = dm.batch_generator(max_batch=3, max_length=64)
+    ids = [batch.add(config, input_ids=p) for p in prompts]
+    deltas: dict[int, str] = dict.fromkeys(ids, "")
+    streamed: dict[int, Any] = {}
+    while not batch.done:
+        for request, event in batch.step():
+            deltas[request] += event.text
+        streamed.update(batch.pop_finished())
+    for request, result in zip(ids, results, strict=True):
+        want = tok.decode(result.tokens, skip_special_tokens=True)
+        assert want and result.text == want == streamed[request].text == deltas[request]
+        assert streamed[request].tokens == result.tokens
+
+
 @pytest.fixture(scope="module")
 def sampling_model() -> Any:
     model = make_tiny_target("llama", vocab_size=SMALL_VOCAB, layers=4, seed=5, init_range=0.3)

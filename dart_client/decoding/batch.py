@@ -96,7 +96,9 @@ class BatchGenerator:
     ``static``: verify on the static path (``"auto"``: on one cuda device;
     ``GenerationConfig.static``); ``admit_together``: prefill the requests that join at one
     step in one forward (:meth:`_admit_together`; ``"auto"``: on cuda, where a forward costs
-    its launches) instead of each alone.
+    its launches) instead of each alone; ``stream_text``: each step's events carry their text
+    delta (False: only the results carry text, decoded once at the end, unless a request has
+    stop strings: no per-row decoding each step).
 
     A request whose ``tree_budget`` is ``"auto"`` takes, at every step, the per-row budget
     tuned for the number of rows live then (:func:`~dart_client.decoding.autotune.
@@ -113,6 +115,7 @@ class BatchGenerator:
         max_length: int = 2048,
         static: bool | str = "auto",
         admit_together: bool | str = "auto",
+        stream_text: bool = True,
     ) -> None:
         if mode not in ("dart", "ar"):
             raise InvalidArgumentError(f"mode = {mode!r}; expected 'dart' or 'ar'")
@@ -152,6 +155,7 @@ class BatchGenerator:
             self.device.type == "cuda" if admit_together == "auto" else bool(admit_together)
         )
         self.max_tree = tree
+        self.stream_text = stream_text
         #: The static path's verifier, made at the first step (the cache's rows exist then).
         self.verifier: StaticBatchVerifier | None = None
         self.head_cache = None
@@ -198,6 +202,8 @@ class BatchGenerator:
         if auto:
             config = config.replace(tree_budget=None)  # bounded at each step instead
         run = new_run(self.model, config, self.mode, prompt, messages, input_ids)
+        if not self.stream_text:
+            run.decode_at_end()
         if run.max_length > self.max_length:
             if len(run.prompt) >= self.max_length:
                 raise ContextTooLongError(
@@ -628,6 +634,7 @@ def generate_batch(
         max_length=max_length,
         static=config.static,
         admit_together=admit_together,
+        stream_text=False,  # only the results are returned
     )
     ids = []
     for i, prompt in enumerate(prompts):

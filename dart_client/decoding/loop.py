@@ -294,6 +294,7 @@ def generate(
     run = new_run(model, config, mode, prompt, messages, input_ids, prefix_cache)
     if stream:
         return GenerationStream(run.events())
+    run.decode_at_end()
     result = None
     for event in run.events():
         if isinstance(event, GenerationResult):
@@ -698,6 +699,13 @@ class _Run:
         if self.tree_budget is not None:
             budget = min(budget, self.tree_budget)
         return budget
+
+    def decode_at_end(self) -> None:
+        """Skip the per-step text: nothing reads the events' deltas (a caller that returns
+        only the result, whose text is decoded once at the end). A run with stop strings
+        keeps decoding each step: they are found in that text."""
+        if not self.stops:
+            self.detok = None
 
     def pruner_inputs(self, budget: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The pruner's context (the last tokens) and the prompt-lookup path (if any)."""
