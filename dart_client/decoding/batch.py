@@ -195,14 +195,17 @@ class BatchGenerator:
         prompt: str | None = None,
         messages: Sequence[dict[str, str]] | None = None,
         input_ids: Any = None,
+        stream_text: bool | None = None,
     ) -> int:
         """Queue a request; returns its id. Validated now: a bad request (empty, longer than
-        the context, ...) raises here and leaves the batch as it was."""
+        the context, ...) raises here and leaves the batch as it was. ``stream_text``: whether
+        this request's events carry their text delta (None: the generator's
+        ``stream_text``)."""
         auto = self.mode == "dart" and config.tree_budget == "auto"
         if auto:
             config = config.replace(tree_budget=None)  # bounded at each step instead
         run = new_run(self.model, config, self.mode, prompt, messages, input_ids)
-        if not self.stream_text:
+        if not (self.stream_text if stream_text is None else stream_text):
             run.decode_at_end()
         if run.max_length > self.max_length:
             if len(run.prompt) >= self.max_length:

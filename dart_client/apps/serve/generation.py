@@ -36,6 +36,9 @@ class Sampling:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    #: The client reads each step's text (a streamed reply); False: only the outcome's text
+    #: is sent, decoded once at the end (a batched row then skips the per-step decoding).
+    stream: bool = True
 
 
 @dataclass

@@ -188,6 +188,7 @@ def sampling_of(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         min_tokens=req.min_tokens,
         prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+        stream=bool(req.stream),
     )
 
 

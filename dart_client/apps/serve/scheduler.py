@@ -296,7 +296,9 @@ class Scheduler:
                     config = engine.config(job.ids, job.sampling, self.max_batch)
                     if mode not in generators:
                         generators[mode] = engine.batch_generator(mode, self.max_batch)
-                    request = generators[mode].add(config, input_ids=job.ids)
+                    request = generators[mode].add(
+                        config, input_ids=job.ids, stream_text=job.sampling.stream
+                    )
                 except Exception as err:  # a bad input the checks missed: report, serve on
                     self._fail(job, err)
                     continue
