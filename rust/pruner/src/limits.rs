@@ -43,16 +43,19 @@ impl Default for PrunerLimits {
 
 /// Paths a search over `levels` rows of `k` candidates with `beam_width` scores: every
 /// candidate of level 0, then `min(beam_width, paths of the level above) * k` per level.
-/// Saturates instead of overflowing.
+/// Saturates instead of overflowing. Constant time in `levels` (a hostile request may
+/// declare billions): once a level keeps as many paths as the one above, every later level
+/// scores the same number.
 pub fn scored_paths(levels: usize, k: usize, beam_width: usize) -> usize {
     let mut total = 0usize;
     let mut above = 1usize; // the root
-    for _ in 0..levels {
-        let here = above.min(beam_width).saturating_mul(k);
-        total = total.saturating_add(here);
-        if total == usize::MAX {
-            break;
+    for level in 0..levels {
+        let kept = above.min(beam_width);
+        let here = kept.saturating_mul(k);
+        if here.min(beam_width) == kept {
+            return total.saturating_add(here.saturating_mul(levels - level));
         }
+        total = total.saturating_add(here);
         above = here;
     }
     total
@@ -142,6 +145,26 @@ mod tests {
         assert_eq!(scored_paths(3, 2, 100), 2 + 4 + 8);
         assert_eq!(scored_paths(64, usize::MAX, usize::MAX), usize::MAX);
         assert_eq!(scored_paths(0, 25, 20), 0);
+        assert_eq!(scored_paths(usize::MAX, 0, 20), 0);
+        assert_eq!(scored_paths(usize::MAX, 1, 20), usize::MAX);
+        assert_eq!(scored_paths(1 << 40, 3, 9), 3 + 9 + 27 * ((1 << 40) - 2));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn scored_paths_equal_the_level_by_level_sum(
+            levels in 0usize..40,
+            k in 0usize..300,
+            beam_width in 1usize..2000,
+        ) {
+            let (mut total, mut above) = (0usize, 1usize);
+            for _ in 0..levels {
+                let here = above.min(beam_width).saturating_mul(k);
+                total = total.saturating_add(here);
+                above = here;
+            }
+            proptest::prop_assert_eq!(scored_paths(levels, k, beam_width), total);
+        }
     }
 
     #[test]

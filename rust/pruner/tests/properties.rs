@@ -279,15 +279,7 @@ proptest! {
             .iter()
             .cycle()
             .take(reqs.len() * 7)
-            .map(|r| OwnedRequest {
-                context: r.context.to_vec(),
-                topk_ids: r.topk_ids.to_vec(),
-                topk_probs: r.topk_probs.to_vec(),
-                levels: r.levels,
-                k: r.k,
-                budget: r.budget,
-                lookup_path: r.lookup_path.to_vec(),
-            })
+            .map(DraftRequest::to_owned_request)
             .collect();
         let outside = shared.prune_shared(owned.clone());
         let inside = rayon::scope(|_| shared.prune_shared(owned.clone()));
