@@ -325,6 +325,7 @@ class DartModel:
         stream: bool = False,
         mode: str = "dart",
         prefix_cache: PrefixCache | None = None,
+        stream_text: bool = True,
         **overrides: Any,
     ) -> GenerationResult | GenerationStream:
         """Generate from a text ``prompt`` (token ids work too), chat ``messages`` or
@@ -332,7 +333,9 @@ class DartModel:
         ``overrides`` replace (``max_new_tokens=64``). ``mode="ar"`` runs the autoregressive
         baseline on the same path. ``stream=True`` returns a :class:`GenerationStream`.
         ``prefix_cache`` (a :class:`~dart_client.decoding.loop.PrefixCache`, one per
-        conversation) reuses the caches of the previous turn: only new tokens are prefilled."""
+        conversation) reuses the caches of the previous turn: only new tokens are prefilled.
+        ``stream_text=False``: a stream's events carry no text (the result's is decoded once
+        at the end), for a caller that reads only their tokens and statistics."""
         if isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
             if input_ids is not None:
                 raise InvalidArgumentError("give the ids as prompt or as input_ids, not both")
@@ -347,6 +350,7 @@ class DartModel:
             input_ids=input_ids,
             stream=stream,
             prefix_cache=prefix_cache,
+            stream_text=stream_text,
         )
 
     def generate_batch(

@@ -275,6 +275,17 @@ def test_stop_strings_and_streaming(targets: dict[str, Any], heads: dict[str, Da
     assert "".join(deltas) == result.text
     ar = ar_generate(dm, input_ids=prompt, max_new_tokens=30, stop=stop)
     assert ar.tokens == result.tokens and ar.text == result.text
+    # A stream read for its tokens and statistics only (``stream_text=False``): the same
+    # tokens, events without text, the result's text decoded once at the end.
+    oracle.g = 0
+    quiet = dm.generate(input_ids=prompt, max_new_tokens=30, stream=True, stream_text=False)
+    texts = []
+    for event in quiet:
+        oracle.g += len(event.tokens)
+        texts.append(event.text)
+    assert quiet.result is not None and quiet.result.tokens == free
+    assert set(texts) == {""}
+    assert quiet.result.text == tok.decode(free, skip_special_tokens=True)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -283,18 +283,22 @@ def generate(
     input_ids: Any = None,
     stream: bool = False,
     prefix_cache: PrefixCache | None = None,
+    stream_text: bool = True,
 ) -> GenerationResult | GenerationStream:
     """The generation loop: ``mode="dart"`` (speculative, lossless) or ``"ar"`` (the baseline).
 
     Exactly one of ``prompt`` (text), ``messages`` (chat, formatted with the model's template)
     or ``input_ids`` is given. ``config.tree_budget`` is the resolved node budget (an int, or
     None for the tree builder's own limit: see ``DartModel.generate``); the room left for new
-    tokens caps it. ``stream=True`` returns a :class:`GenerationStream`.
+    tokens caps it. ``stream=True`` returns a :class:`GenerationStream`, whose events carry
+    their text delta unless ``stream_text=False`` (the result's text is decoded once at the
+    end, as without ``stream``).
     """
     run = new_run(model, config, mode, prompt, messages, input_ids, prefix_cache)
+    if not (stream and stream_text):
+        run.decode_at_end()
     if stream:
         return GenerationStream(run.events())
-    run.decode_at_end()
     result = None
     for event in run.events():
         if isinstance(event, GenerationResult):

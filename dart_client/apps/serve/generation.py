@@ -168,7 +168,11 @@ class Engine:
     def generate(self, ids: list[int], sampling: Sampling) -> Iterator[Step | Outcome]:
         """Steps of one generation, then its :class:`Outcome`. Stop iterating to cancel."""
         stream = self.model.generate(
-            ids, self.config(ids, sampling), stream=True, mode=self.mode(sampling)
+            ids,
+            self.config(ids, sampling),
+            stream=True,
+            mode=self.mode(sampling),
+            stream_text=sampling.stream,
         )
         for event in stream:
             yield step_of(event)
