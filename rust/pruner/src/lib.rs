@@ -59,21 +59,6 @@ pub struct DraftRequest<'a> {
     pub lookup_path: &'a [u32],
 }
 
-impl DraftRequest<'_> {
-    /// The same request owning copies of its inputs.
-    pub fn to_owned_request(&self) -> OwnedRequest {
-        OwnedRequest {
-            context: self.context.to_vec(),
-            topk_ids: self.topk_ids.to_vec(),
-            topk_probs: self.topk_probs.to_vec(),
-            levels: self.levels,
-            k: self.k,
-            budget: self.budget,
-            lookup_path: self.lookup_path.to_vec(),
-        }
-    }
-}
-
 /// A [`DraftRequest`] that owns its inputs: what [`Pruner::prune_shared`] hands to threads
 /// that may outlive the caller's borrows.
 #[derive(Clone, Debug, Default)]

@@ -275,11 +275,19 @@ proptest! {
         // The same requests owned, pruned by this thread alongside the pool (repeated so the
         // batch outnumbers the threads), and from inside a pool thread.
         let shared = Arc::new(Pruner::new(Arc::new(cases[0].scorer()), cases[0].config.clone()).unwrap());
-        let owned: Vec<OwnedRequest> = reqs
+        let owned: Vec<OwnedRequest> = cases
             .iter()
             .cycle()
-            .take(reqs.len() * 7)
-            .map(DraftRequest::to_owned_request)
+            .take(cases.len() * 7)
+            .map(|c| OwnedRequest {
+                context: c.context.clone(),
+                topk_ids: c.ids.clone(),
+                topk_probs: c.probs.clone(),
+                levels: c.levels,
+                k: c.k,
+                budget: c.budget,
+                lookup_path: Vec::new(),
+            })
             .collect();
         let outside = shared.prune_shared(owned.clone());
         let inside = rayon::scope(|_| shared.prune_shared(owned.clone()));
