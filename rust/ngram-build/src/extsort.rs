@@ -14,12 +14,13 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use dart_ngram::error::{NGramError, Result};
 use dart_ngram::key;
+use dart_ngram::varint;
 use dart_ngram::writer::CountStream;
 
 /// Bytes of one table slot: `(key, order << 56 | count)`.
@@ -236,14 +237,6 @@ impl Drop for SortedChunk<'_> {
 // ---------------------------------------------------------------------------------------
 // Run files
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
 /// Writes one sorted run: `(varint key delta, varint count)` records.
 pub struct RunWriter {
     path: PathBuf,
@@ -278,8 +271,8 @@ impl RunWriter {
         };
         self.last = Some(key);
         self.scratch.clear();
-        put_varint(&mut self.scratch, delta);
-        put_varint(&mut self.scratch, count);
+        varint::push(&mut self.scratch, delta);
+        varint::push(&mut self.scratch, count);
         self.out
             .write_all(&self.scratch)
             .map_err(|e| spill_io(&self.path, e))?;
@@ -329,38 +322,12 @@ impl RunReader {
         })
     }
 
-    fn varint(&mut self, first: Option<u8>) -> Result<u64> {
-        let mut v = 0u64;
-        let mut shift = 0u32;
-        let mut next = first;
-        loop {
-            let b = match next.take() {
-                Some(b) => b,
-                None => self
-                    .byte()?
-                    .ok_or_else(|| self.corrupt("truncated record"))?,
-            };
-            if shift >= 64 {
-                return Err(self.corrupt("varint longer than 64 bits"));
-            }
-            v |= u64::from(b & 0x7f) << shift;
-            if b & 0x80 == 0 {
-                return Ok(v);
-            }
-            shift += 7;
-        }
-    }
-
-    fn byte(&mut self) -> Result<Option<u8>> {
-        let mut b = [0u8; 1];
-        loop {
-            match self.input.read(&mut b) {
-                Ok(0) => return Ok(None),
-                Ok(_) => return Ok(Some(b[0])),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(NGramError::io(&self.path, e)),
-            }
-        }
+    fn varint(&mut self) -> Result<u64> {
+        varint::read(&mut self.input).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => self.corrupt("truncated record"),
+            std::io::ErrorKind::InvalidData => self.corrupt("varint longer than 64 bits"),
+            _ => NGramError::io(&self.path, e),
+        })
     }
 
     fn corrupt(&self, detail: &str) -> NGramError {
@@ -372,11 +339,18 @@ impl RunReader {
 
     /// The next `(key, count)`, or `None` at the end of the run.
     pub fn next_pair(&mut self) -> Result<Option<(u64, u64)>> {
-        let Some(first) = self.byte()? else {
-            return Ok(None);
+        let at_end = loop {
+            match self.input.fill_buf() {
+                Ok(b) => break b.is_empty(),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(NGramError::io(&self.path, e)),
+            }
         };
-        let delta = self.varint(Some(first))?;
-        let count = self.varint(None)?;
+        if at_end {
+            return Ok(None);
+        }
+        let delta = self.varint()?;
+        let count = self.varint()?;
         self.last = self
             .last
             .checked_add(delta)

@@ -31,6 +31,7 @@ pub mod key;
 pub mod merge;
 pub mod model;
 pub mod scratch;
+pub mod varint;
 pub mod writer;
 
 #[cfg(test)]

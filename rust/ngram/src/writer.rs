@@ -9,7 +9,8 @@
 //! name.
 //!
 //! Memory stays bounded whatever the model size: each order is spooled to an anonymous
-//! temporary file beside the output (16 bytes per n-gram) and re-read sequentially to pack the
+//! temporary file beside the output (a few bytes per n-gram: the key's increase and the count
+//! as varints, [`varint::encode_pair`]) and re-read sequentially to pack the
 //! columns (the child buckets in a second pass, once every order's token keys are known); only
 //! the per-order table of distinct counts, the per-token key counts and one context's children
 //! are held in RAM.
@@ -34,6 +35,7 @@ use crate::format::{
     MAX_BUCKET_WIDTH, MAX_SOURCE, MIN_VERSION, NO_EOS, VERSION,
 };
 use crate::key;
+use crate::varint;
 
 /// What a model says about itself in its header.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,8 +85,8 @@ pub struct WriteReport {
 }
 
 const BUF: usize = 1 << 20;
-/// Buffer of each spooled file: small enough to stay in the CPU's cache between its 16-byte
-/// records and the kernel's copy (with 1 MiB buffers a merge spent twice the system time).
+/// Buffer of each spooled file: small enough to stay in the CPU's cache between its records
+/// and the kernel's copy (with 1 MiB buffers a merge spent twice the system time).
 const SPOOL_BUF: usize = 1 << 16;
 
 /// Refuses an `output` that is one of `inputs` (the same file, also through another path, a
@@ -586,9 +588,10 @@ struct Part {
     /// Parents (entries of order n-1) and n-grams in the range.
     parents: u64,
     entries: u64,
-    /// `(key, count)` pairs, 16 bytes each.
+    /// `(key, count)` pairs, each key after the previous one ([`varint::encode_pair`]).
     raw: File,
-    /// CSR offsets of the parents into this order, `parents + 1` u64 values.
+    /// Each parent's number of children, in order, as varints (the CSR offsets of the parents
+    /// into this order are their running sums).
     parent_offsets: File,
     /// Parent ids with a top list (u64 each) and their lists (`top_list_len` u64 each).
     top_contexts: u64,
@@ -643,6 +646,8 @@ struct Spool<'p> {
 /// children. (Child buckets need every order's token keys, so they are written later.)
 struct ParentSink {
     offs: BufWriter<File>,
+    /// Where the last closed parent's children end.
+    closed: u64,
     top_ids: BufWriter<File>,
     top_lists: BufWriter<File>,
     top_list_len: usize,
@@ -656,9 +661,17 @@ struct ParentSink {
 }
 
 impl ParentSink {
+    /// The next parent's children end at `entries`.
+    fn end_at(&mut self, entries: u64) -> io::Result<()> {
+        let mut b = [0u8; varint::MAX_LEN];
+        let n = varint::encode(entries - self.closed, &mut b);
+        self.closed = entries;
+        self.offs.write_all(&b[..n])
+    }
+
     /// Closes parent `ctx`, whose children end at `entries`.
     fn close(&mut self, ctx: u64, entries: u64) -> io::Result<()> {
-        self.offs.write_all(&entries.to_le_bytes())?;
+        self.end_at(entries)?;
         let n_kids = self.kids.len();
         if n_kids > self.top_list_len {
             let l = self.top_list_len;
@@ -694,6 +707,8 @@ enum Parents<'a> {
     Spooled {
         r: SpoolReader<'a>,
         left: u64,
+        /// The key of the last pair read (0 before the first).
+        last: u64,
     },
 }
 
@@ -712,43 +727,70 @@ impl Parents<'_> {
                 *next += 1;
                 Ok(Some((*first + i as u64, counts[i])))
             }
-            Parents::Spooled { r, left } => {
+            Parents::Spooled { r, left, last } => {
                 if *left == 0 {
                     return Ok(None);
                 }
                 *left -= 1;
-                Ok(Some(read_pair(r)?))
+                let (k, c) = varint::read_pair(r, *last)?;
+                *last = k;
+                Ok(Some((k, c)))
             }
         }
     }
 }
 
-/// Reads `N` bytes, straight from the buffer when it holds them (the generic `read_exact`
-/// costs more than the decode on these 8- and 16-byte records).
+/// An order's spooled `(key, count)` pairs ([`varint::encode_pair`]), encoded straight into
+/// its buffer (a few bytes each: through `BufWriter::write_all` every record was a call to
+/// `memmove`).
+struct PairSpool {
+    file: File,
+    buf: Box<[u8]>,
+    len: usize,
+    /// The key of the last pair (0 before the first), which the next is stored after.
+    prev: u64,
+}
+
+impl PairSpool {
+    fn new(file: File) -> Self {
+        PairSpool {
+            file,
+            buf: vec![0u8; SPOOL_BUF + varint::MAX_PAIR_LEN].into_boxed_slice(),
+            len: 0,
+            prev: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn push(&mut self, key: u64, count: u64) -> io::Result<()> {
+        let slot = &mut self.buf[self.len..self.len + varint::MAX_PAIR_LEN];
+        self.len += varint::encode_pair(self.prev, key, count, slot.try_into().expect("room"));
+        self.prev = key;
+        if self.len >= SPOOL_BUF {
+            self.file.write_all(&self.buf[..self.len])?;
+            self.len = 0;
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> io::Result<File> {
+        self.file.write_all(&self.buf[..self.len])?;
+        Ok(self.file)
+    }
+}
+
+/// Reads a spooled `u64`, straight from the buffer when it holds it (the generic `read_exact`
+/// costs more than the decode on these 8-byte records).
 #[inline(always)]
-fn read_array<const N: usize>(r: &mut SpoolReader<'_>) -> io::Result<[u8; N]> {
-    let mut b = [0u8; N];
-    if let Some(s) = r.buffer().get(..N) {
+fn read_u64(r: &mut SpoolReader<'_>) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    if let Some(s) = r.buffer().get(..8) {
         b.copy_from_slice(s);
-        r.consume(N);
+        r.consume(8);
     } else {
         r.read_exact(&mut b)?;
     }
-    Ok(b)
-}
-
-#[inline(always)]
-fn read_pair(r: &mut SpoolReader<'_>) -> io::Result<(u64, u64)> {
-    let b = read_array::<16>(r)?;
-    Ok((
-        u64::from_le_bytes(b[..8].try_into().expect("8")),
-        u64::from_le_bytes(b[8..].try_into().expect("8")),
-    ))
-}
-
-#[inline(always)]
-fn read_u64(r: &mut SpoolReader<'_>) -> io::Result<u64> {
-    Ok(u64::from_le_bytes(read_array::<8>(r)?))
+    Ok(u64::from_le_bytes(b))
 }
 
 /// Counts below this index dense tables (rank, frequency); the rare larger ones a sorted
@@ -796,9 +838,12 @@ fn rewind(file: &File) -> SpoolReader<'_> {
 }
 
 impl Spool<'_> {
+    fn scratch_file(&self) -> Result<File> {
+        tempfile::tempfile_in(self.dir).map_err(|e| NGramError::io(self.dir, e))
+    }
+
     fn scratch(&self) -> Result<BufWriter<File>> {
-        let f = tempfile::tempfile_in(self.dir).map_err(|e| NGramError::io(self.dir, e))?;
-        Ok(BufWriter::with_capacity(SPOOL_BUF, f))
+        Ok(BufWriter::with_capacity(SPOOL_BUF, self.scratch_file()?))
     }
 
     fn io(&self, e: io::Error) -> NGramError {
@@ -925,9 +970,9 @@ impl Spool<'_> {
         let mut base = 0u64;
         for p in parts {
             let mut offs = rewind(&p.parent_offsets);
-            let mut lo = read_u64(&mut offs)?;
+            let mut lo = 0;
             for _ in 0..p.parents {
-                let hi = read_u64(&mut offs)?;
+                let hi = lo + varint::read(&mut offs)?;
                 if BucketSlice::new(base + lo, base + hi, self.bucket_stride).entries > 0 {
                     most = most.max(hi - lo);
                 }
@@ -964,13 +1009,15 @@ impl Spool<'_> {
                 Parents::Spooled {
                     r: rewind(&prev.raw),
                     left: prev.entries,
+                    last: 0,
                 },
                 prev.entries,
             ),
         };
-        let mut raw = self.scratch()?;
+        let mut raw = PairSpool::new(self.scratch_file()?);
         let mut sink = ParentSink {
             offs: self.scratch()?,
+            closed: 0,
             top_ids: self.scratch()?,
             top_lists: self.scratch()?,
             top_list_len: self.top_list_len,
@@ -989,8 +1036,6 @@ impl Spool<'_> {
         let mut cur: Option<(u64, u64, u64)> = None;
         let mut parent_index = 0u64;
         let mut prev_key: Option<u64> = None;
-        let w = |f: &mut BufWriter<File>, v: u64| f.write_all(&v.to_le_bytes());
-        w(&mut sink.offs, 0).map_err(|e| self.io(e))?;
 
         for item in stream {
             let (k, count) = item?;
@@ -1097,9 +1142,7 @@ impl Spool<'_> {
                 Some(f) => *f += 1,
                 None => *table.entry(count).or_insert(0) += 1,
             }
-            // One 16-byte value: two 8-byte halves stored apart and copied as one stalled.
-            let pair = ((u128::from(count) << 64) | u128::from(k)).to_le_bytes();
-            raw.write_all(&pair).map_err(|e| self.io(e))?;
+            raw.push(k, count).map_err(|e| self.io(e))?;
             entries += 1;
         }
         // Close the current parent and every parent after it.
@@ -1107,7 +1150,7 @@ impl Spool<'_> {
             sink.close(ci, entries).map_err(|e| self.io(e))?;
         }
         while parents.next().map_err(|e| self.io(e))?.is_some() {
-            w(&mut sink.offs, entries).map_err(|e| self.io(e))?;
+            sink.end_at(entries).map_err(|e| self.io(e))?;
         }
         let mut counts: Vec<(u64, u64)> = table.into_iter().collect();
         counts.extend((0..DENSE_COUNTS as u64).zip(small).filter(|&(_, f)| f > 0));
@@ -1117,7 +1160,7 @@ impl Spool<'_> {
             part: Part {
                 parents: n_parents,
                 entries,
-                raw: done(raw).map_err(|e| self.io(e))?,
+                raw: raw.finish().map_err(|e| self.io(e))?,
                 parent_offsets: done(sink.offs).map_err(|e| self.io(e))?,
                 top_contexts: sink.top_contexts,
                 top_ids: done(sink.top_ids).map_err(|e| self.io(e))?,
@@ -1184,14 +1227,16 @@ impl Spool<'_> {
         let mut base = 0u64;
         for part in &level.parts {
             let mut raw = rewind(&part.raw);
+            let mut last = 0u64;
             // The children of each parent in turn (the buckets are per parent).
             let mut offs = rewind(&part.parent_offsets);
-            let mut lo = base + read_u64(&mut offs).map_err(io)?;
+            let mut lo = base;
             for _ in 0..part.parents {
-                let hi = base + read_u64(&mut offs).map_err(io)?;
+                let hi = lo + varint::read(&mut offs).map_err(io)?;
                 kid_keys.clear();
                 for _ in lo..hi {
-                    let (k, c) = read_pair(&mut raw).map_err(io)?;
+                    let (k, c) = varint::read_pair(&mut raw, last).map_err(io)?;
+                    last = k;
                     let t = k & tok_mask;
                     if let Some(p) = tokens.as_mut() {
                         p.push(t).map_err(io)?;
@@ -1281,18 +1326,16 @@ impl Spool<'_> {
                 }
             }
             SectionKind::ChildOffsets => {
-                // Each part's offsets after the entries before it; its first offset is the
-                // previous part's last.
+                // The running sum of every part's children counts, in order.
                 let mut p = PackedWriter::new(out, rec.child_width);
                 p.push(0).map_err(io)?;
-                let mut base = 0;
+                let mut end = 0;
                 for part in &self.levels[n - 1].parts {
                     let mut r = rewind(&part.parent_offsets);
-                    read_u64(&mut r).map_err(io)?;
                     for _ in 0..part.parents {
-                        p.push(base + read_u64(&mut r).map_err(io)?).map_err(io)?;
+                        end += varint::read(&mut r).map_err(io)?;
+                        p.push(end).map_err(io)?;
                     }
-                    base += part.entries;
                 }
                 p.finish().map_err(io)?;
             }
