@@ -5,6 +5,7 @@
 //! streamed into the writer, so memory stays bounded by the writer's needs.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{NGramError, Result};
 use crate::model::{hex, NGramModel, OrderChunks};
@@ -157,6 +158,14 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
             .clone()
             .unwrap_or_else(|| format!("dart-ngram merge of {} models", models.len())),
     };
+    let read = opts.write.progress.as_deref().map(|p| {
+        let total = models
+            .iter()
+            .flat_map(|m| m.ngrams_per_order().into_iter().skip(1))
+            .fold(0u64, u64::saturating_add);
+        p.input_total.store(total, Ordering::Relaxed);
+        &p.input_done
+    });
     let threads = opts.threads.max(1);
     // More ranges than threads, so that uneven ranges even out over the cores.
     let bounds = if threads == 1 {
@@ -174,7 +183,7 @@ pub fn merge_models(inputs: &[&Path], output: &Path, opts: &MergeOptions) -> Res
                         .iter()
                         .map(|m| m.chunks_from(n, w[0]..w[1]))
                         .collect();
-                    Box::new(KMerge::new(sources, output).filter(move |r| match r {
+                    Box::new(KMerge::new(sources, output, read).filter(move |r| match r {
                         Ok((_, c)) => *c >= min_count,
                         Err(_) => true,
                     })) as CountStream<'_>
@@ -250,10 +259,12 @@ struct KMerge<'p, 'm> {
     primed: bool,
     failed: bool,
     output: &'p Path,
+    /// Input n-grams read, counted a chunk at a time for a progress display.
+    read: Option<&'p AtomicU64>,
 }
 
 impl<'p, 'm> KMerge<'p, 'm> {
-    fn new(sources: Vec<OrderChunks<'m>>, output: &'p Path) -> Self {
+    fn new(sources: Vec<OrderChunks<'m>>, output: &'p Path, read: Option<&'p AtomicU64>) -> Self {
         let n = sources.len();
         let leaves = n.next_power_of_two();
         KMerge {
@@ -268,6 +279,7 @@ impl<'p, 'm> KMerge<'p, 'm> {
             primed: false,
             failed: false,
             output,
+            read,
         }
     }
 
@@ -287,6 +299,9 @@ impl<'p, 'm> KMerge<'p, 'm> {
     #[inline(never)]
     fn refill(&mut self, i: usize) -> Result<()> {
         self.sources[i].refill(&mut self.chunks[i])?;
+        if let Some(read) = self.read {
+            read.fetch_add(self.chunks[i].len() as u64, Ordering::Relaxed);
+        }
         self.pos[i] = 0;
         match self.chunks[i].first() {
             Some(&(k, c)) => {
@@ -449,7 +464,7 @@ mod tests {
             }
             let out = dir.path().join("merged.ngram");
             let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
-            let opts = MergeOptions { min_count, write: WriteOptions { top_list_len: 2 }, ..Default::default() };
+            let opts = MergeOptions { min_count, write: WriteOptions { top_list_len: 2, ..Default::default() }, ..Default::default() };
             let report = merge_models(&refs, &out, &opts).unwrap();
             let whole = count_corpus(&docs, order, 13, Some(12), min_count);
             let wp = dir.path().join("whole.ngram");
@@ -461,10 +476,19 @@ mod tests {
             prop_assert_eq!(m.total_tokens(), w.total_tokens());
             prop_assert_eq!(m.documents(), w.documents());
             prop_assert_eq!(m.min_count(), min_count);
-            // Any thread count writes the same bytes.
+            // Any thread count writes the same bytes, and its progress counts every input
+            // n-gram and every byte written.
             let threaded = dir.path().join("threaded.ngram");
-            merge_models(&refs, &threaded, &MergeOptions { threads, ..opts }).unwrap();
+            let progress = std::sync::Arc::new(crate::writer::WriteProgress::default());
+            let write = WriteOptions { progress: Some(progress.clone()), ..opts.write.clone() };
+            let report = merge_models(&refs, &threaded, &MergeOptions { threads, write, ..opts }).unwrap();
             prop_assert_eq!(std::fs::read(&threaded).unwrap(), std::fs::read(&out).unwrap());
+            let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let inputs: u64 = refs.iter().map(|p| NGramModel::open(p).unwrap().ngrams_per_order().iter().skip(1).sum::<u64>()).sum();
+            prop_assert_eq!(load(&progress.input_total), inputs);
+            prop_assert_eq!(load(&progress.input_done), inputs);
+            prop_assert_eq!(load(&progress.output_total), report.bytes);
+            prop_assert_eq!(load(&progress.output_done), report.bytes);
         }
     }
 

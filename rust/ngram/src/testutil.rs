@@ -105,7 +105,10 @@ impl Counts {
             &self.meta(),
             &self.uni,
             self.streams(),
-            &WriteOptions { top_list_len },
+            &WriteOptions {
+                top_list_len,
+                ..Default::default()
+            },
         )
     }
 
@@ -121,7 +124,10 @@ impl Counts {
             &self.meta(),
             &self.uni,
             self.streams(),
-            &WriteOptions { top_list_len },
+            &WriteOptions {
+                top_list_len,
+                ..Default::default()
+            },
             bucket_stride,
         )
     }
@@ -133,7 +139,10 @@ impl Counts {
             &self.meta(),
             &self.uni,
             self.streams(),
-            &WriteOptions { top_list_len },
+            &WriteOptions {
+                top_list_len,
+                ..Default::default()
+            },
             layout,
         )
     }

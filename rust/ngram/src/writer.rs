@@ -22,6 +22,8 @@
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use xxhash_rust::xxh3::Xxh3;
@@ -68,12 +70,31 @@ pub struct WriteOptions {
     /// Contexts with more children than this get a precomputed list of their `top_list_len`
     /// most frequent continuations (smaller contexts are sorted at query time).
     pub top_list_len: u32,
+    /// Counters the write keeps up to date for a progress display.
+    pub progress: Option<Arc<WriteProgress>>,
 }
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        WriteOptions { top_list_len: 32 }
+        WriteOptions {
+            top_list_len: 32,
+            progress: None,
+        }
     }
+}
+
+/// Counters another thread polls to show a long write's progress (`dart-ngram merge`'s bar):
+/// the producer's input consumed, then the model's bytes written. Only a display reads them,
+/// so they are updated a chunk or a buffer at a time, with relaxed atomics.
+#[derive(Debug, Default)]
+pub struct WriteProgress {
+    /// Items of the producer's input consumed (a merge: its inputs' n-grams of orders >= 2),
+    /// of `input_total` (0: not counted).
+    pub input_done: AtomicU64,
+    pub input_total: AtomicU64,
+    /// Bytes of the model written, of `output_total` (0 until the sections are laid out).
+    pub output_done: AtomicU64,
+    pub output_total: AtomicU64,
 }
 
 /// What was written.
@@ -416,6 +437,12 @@ fn write_model_ranges(
         starts.push(offset);
         offset += len;
     }
+    let written_bytes = opts.progress.as_deref().map(|p| {
+        p.output_total.store(offset, Ordering::Relaxed);
+        p.output_done
+            .store(u64::from(header.header_len), Ordering::Relaxed);
+        &p.output_done
+    });
     // The passes: a section alone, or the columns of order n read from its spool in one
     // pass (with SPLIT_PASSES_THREADS threads or more, one pass per column group, at once).
     let mut passes: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -464,7 +491,10 @@ fn write_model_ranges(
     let run = |(n, sections): &(usize, Vec<usize>)| -> Result<Vec<(usize, (u64, u64))>> {
         let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = sections
             .iter()
-            .map(|&j| (j, layout[j].0, SectionWriter::new(&file, starts[j])))
+            .map(|&j| {
+                let w = SectionWriter::new(&file, starts[j], written_bytes);
+                (j, layout[j].0, w)
+            })
             .collect();
         if *n == 0 {
             let (_, kind, w) = &mut writers[0];
@@ -1389,6 +1419,8 @@ impl Spool<'_> {
 /// final fsync.
 struct SectionWriter<'f> {
     file: &'f File,
+    /// Bytes drained, added here for a progress display.
+    progress: Option<&'f AtomicU64>,
     /// File offset of `buf[0]`.
     at: u64,
     buf: Vec<u8>,
@@ -1397,9 +1429,10 @@ struct SectionWriter<'f> {
 }
 
 impl<'f> SectionWriter<'f> {
-    fn new(file: &'f File, at: u64) -> Self {
+    fn new(file: &'f File, at: u64, progress: Option<&'f AtomicU64>) -> Self {
         SectionWriter {
             file,
+            progress,
             at,
             buf: Vec::new(),
             hash: Xxh3::new(),
@@ -1429,6 +1462,9 @@ impl<'f> SectionWriter<'f> {
             }
         }
         self.at += self.buf.len() as u64;
+        if let Some(p) = self.progress {
+            p.fetch_add(self.buf.len() as u64, Ordering::Relaxed);
+        }
         self.buf.clear();
         Ok(())
     }
@@ -1597,7 +1633,10 @@ mod tests {
                 &m,
                 &uni,
                 streams,
-                &WriteOptions { top_list_len: top },
+                &WriteOptions {
+                    top_list_len: top,
+                    ..Default::default()
+                },
             )
         };
         assert!(w(meta(3, 5), vec![1; 4], 2, 32)

@@ -270,7 +270,10 @@ impl PyNGram {
         let opts = MergeOptions {
             allow_pruned,
             min_count,
-            write: WriteOptions { top_list_len },
+            write: WriteOptions {
+                top_list_len,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let report = py
@@ -358,7 +361,10 @@ impl PyNGram {
                     &meta,
                     &unigrams,
                     streams,
-                    &WriteOptions { top_list_len },
+                    &WriteOptions {
+                        top_list_len,
+                        ..Default::default()
+                    },
                 )
             })
             .map_err(to_py)?;
