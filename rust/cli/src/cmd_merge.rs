@@ -2,13 +2,12 @@
 //! [--threads N] [--quiet]`.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use dart_ngram::writer::WriteProgress;
 use dart_ngram::{merge_models, MergeOptions, WriteOptions};
-use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use dart_ngram_build::write_bar::WriteBar;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -54,16 +53,9 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let bar = (!args.quiet).then(|| {
-        let (progress, stop) = (progress.clone(), stop.clone());
-        std::thread::spawn(move || draw(&progress, &stop))
-    });
+    let bar = (!args.quiet).then(|| WriteBar::start(progress, "input n-grams merged"));
     let report = merge_models(&inputs, &args.output, &opts);
-    stop.store(true, Ordering::Relaxed);
-    if let Some(bar) = bar {
-        let _ = bar.join();
-    }
+    drop(bar);
     let report = report?;
     eprintln!(
         "merged {} models into {}: n-grams per order {:?}, {} bytes, {:.1} s",
@@ -74,39 +66,4 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         start.elapsed().as_secs_f64()
     );
     Ok(())
-}
-
-/// Draws the merge's progress until `stop`: the inputs' n-grams merged, then the model's
-/// bytes written.
-fn draw(progress: &WriteProgress, stop: &AtomicBool) {
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr_with_hz(4));
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    while !stop.load(Ordering::Relaxed) {
-        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        let (written, size) = (load(&progress.output_done), load(&progress.output_total));
-        let (done, total, message) = if size == 0 {
-            let (read, total) = (load(&progress.input_done), load(&progress.input_total));
-            let message = format!(
-                "merging: {:.3e} of {:.3e} input n-grams",
-                read as f64, total as f64
-            );
-            (read, total, message)
-        } else {
-            let message = format!("writing: {} of {}", HumanBytes(written), HumanBytes(size));
-            (written, size, message)
-        };
-        // Length and position in one update: a draw between two would mix the phases.
-        bar.update(|state| {
-            state.set_len(total);
-            state.set_pos(done);
-        });
-        bar.set_message(message);
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    bar.finish_and_clear();
 }

@@ -21,7 +21,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use dart_ngram::error::{NGramError, Result};
 use dart_ngram::fingerprint;
 use dart_ngram::key;
-use dart_ngram::writer::{self, ModelMeta, WriteOptions};
+use dart_ngram::writer::{self, ModelMeta, WriteOptions, WriteProgress};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
@@ -29,6 +29,7 @@ use crate::bytelevel;
 use crate::corpus::{self, Doc, InputFile, InputKind, RawBatch};
 use crate::extsort::{self, DuplicatePolicy, ExternalCounter, SortedCounts};
 use crate::tokenize::{self, Encoder, EosChoice, LoadedTokenizer};
+use crate::write_bar::WriteBar;
 
 /// Bytes of raw input per batch handed to a worker.
 const BATCH_BYTES: usize = 1 << 20;
@@ -671,13 +672,21 @@ pub fn build(opts: &BuildOptions) -> Result<BuildReport> {
     let write_start = Instant::now();
     let streams = counts.sorted.streams(opts.min_count)?;
     let streams = if opts.order == 1 { Vec::new() } else { streams };
+    let mut write = opts.write.clone();
+    let bar = opts.progress.then(|| {
+        let progress = Arc::new(WriteProgress::default());
+        write.progress = Some(progress.clone());
+        WriteBar::start(progress, "merging the sorted counts into the model")
+    });
     let written = writer::write_model(
         &opts.output,
         &counts.meta,
         &counts.unigrams,
         streams,
-        &opts.write,
-    )?;
+        &write,
+    );
+    drop(bar);
+    let written = written?;
     let seconds = start.elapsed().as_secs_f64();
     let m = &counts.meta;
     Ok(BuildReport {

@@ -19,6 +19,7 @@ pub mod import;
 pub mod reference;
 pub mod synth;
 pub mod tokenize;
+pub mod write_bar;
 
 pub use build::{build, parse_memory, BuildOptions, BuildReport};
 pub use import::{import_dart, ImportOptions, ImportReport};
