@@ -444,7 +444,7 @@ fn write_model_ranges(
         &p.output_done
     });
     // The passes: a section alone, or the columns of order n read from its spool in one
-    // pass (with SPLIT_PASSES_THREADS threads or more, one pass per column group, at once).
+    // pass (its column groups packed on threads of their own when the write has several).
     let mut passes: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut planned = vec![false; layout.len()];
     for i in 0..layout.len() {
@@ -461,32 +461,19 @@ fn write_model_ranges(
                 continue;
             }
         };
-        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut columns = Vec::new();
         for (j, &(k, o, _)) in layout.iter().enumerate() {
-            let group = match k {
-                SectionKind::ChildBuckets if o as usize + 1 == n => 0,
-                SectionKind::Tokens if o as usize == n => 1,
-                SectionKind::CountCodes | SectionKind::CountEscapes | SectionKind::CountRanks
-                    if o as usize == n =>
-                {
-                    2
-                }
-                _ => continue,
+            let ours = match k {
+                SectionKind::ChildBuckets => o as usize + 1 == n,
+                k if Spool::is_column(k) => o as usize == n,
+                _ => false,
             };
-            planned[j] = true;
-            // Each group re-reads the spool (a fifth more CPU at 2 threads, where the orders'
-            // passes already fill the cores): split only with cores to spare.
-            let g = if threads < SPLIT_PASSES_THREADS {
-                0
-            } else {
-                group
-            };
-            if groups.len() <= g {
-                groups.resize(g + 1, Vec::new());
+            if ours {
+                planned[j] = true;
+                columns.push(j);
             }
-            groups[g].push(j);
         }
-        passes.extend(groups.into_iter().filter(|g| !g.is_empty()).map(|g| (n, g)));
+        passes.push((n, columns));
     }
     let run = |(n, sections): &(usize, Vec<usize>)| -> Result<Vec<(usize, (u64, u64))>> {
         let mut writers: Vec<(usize, SectionKind, SectionWriter<'_>)> = sections
@@ -500,7 +487,7 @@ fn write_model_ranges(
             let (_, kind, w) = &mut writers[0];
             spool.write_section(w, *kind, layout[sections[0]].1 as usize, &header)?;
         } else {
-            spool.write_columns(*n, &header, &mut writers)?;
+            spool.write_columns(*n, &header, &mut writers, threads > 1)?;
         }
         writers
             .into_iter()
@@ -592,9 +579,6 @@ impl LastTokens {
         }
     }
 }
-
-/// Threads from which an order's column groups are written by passes of their own.
-const SPLIT_PASSES_THREADS: usize = 4;
 
 /// One spooled order n >= 2, plus what its parents (order n-1) learned from it.
 struct Level {
@@ -767,6 +751,175 @@ impl Parents<'_> {
                 Ok(Some((k, c)))
             }
         }
+    }
+}
+
+/// n-grams per chunk handed from an order's spool decoder to its column writers.
+const DECODED_CHUNK: usize = 1 << 15;
+
+/// A chunk of an order's n-grams, in order: last tokens and count ranks.
+#[derive(Default)]
+struct Decoded {
+    tokens: Vec<u32>,
+    ranks: Vec<u64>,
+}
+
+/// A column group of one order, written from its decoded n-grams a chunk at a time.
+trait ColumnSink {
+    fn take(&mut self, chunk: &Decoded) -> io::Result<()>;
+}
+
+impl<W: Write> ColumnSink for PackedWriter<W> {
+    /// The tokens.
+    fn take(&mut self, chunk: &Decoded) -> io::Result<()> {
+        for &t in &chunk.tokens {
+            self.push(u64::from(t))?;
+        }
+        Ok(())
+    }
+}
+
+/// The counts: ranks at a fixed width (versions 1 and 2), or codes and their escapes.
+struct CountSink<W: Write> {
+    ranks: Option<PackedWriter<W>>,
+    codes: Option<CodedWriter<W>>,
+    escapes: Option<PackedWriter<W>>,
+    width: u32,
+    escaped: u64,
+}
+
+impl<W: Write> ColumnSink for CountSink<W> {
+    fn take(&mut self, chunk: &Decoded) -> io::Result<()> {
+        for &r in &chunk.ranks {
+            if let Some(p) = self.ranks.as_mut() {
+                p.push(r)?;
+            }
+            if let Some(p) = self.codes.as_mut() {
+                p.push(r)?;
+            }
+            if let (Some(p), (_, Some(e))) = (self.escapes.as_mut(), code_of(r, self.width)) {
+                p.push(e)?;
+                self.escaped += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<W: Write> CountSink<W> {
+    /// Flushes; returns the escaped counts the codes and the escapes each saw.
+    fn finish(self) -> io::Result<Vec<u64>> {
+        if let Some(p) = self.ranks {
+            p.finish()?;
+        }
+        let mut seen = Vec::new();
+        if let Some(p) = self.codes {
+            seen.push(p.finish()?.2);
+        }
+        if let Some(p) = self.escapes {
+            p.finish()?;
+            seen.push(self.escaped);
+        }
+        Ok(seen)
+    }
+}
+
+/// The parent order's child buckets, from the children's tokens: each parent's children
+/// are read from the chunks in turn (a parent's may span chunks), its slice of the bucket
+/// table written once they are all in.
+struct BucketSink<'a, W: Write> {
+    out: PackedWriter<W>,
+    keys: Vec<u32>,
+    stride: u32,
+    parts: std::slice::Iter<'a, Part>,
+    /// The current part's spooled children counts and its parents not yet begun.
+    offsets: Option<SpoolReader<'a>>,
+    parents_left: u64,
+    /// The current parent's first child and, once begun, the children it still needs.
+    lo: u64,
+    need: Option<u64>,
+    kid_keys: Vec<u32>,
+}
+
+impl<W: Write> BucketSink<'_, W> {
+    /// Begins the next parent; `false` when there is none.
+    fn next_parent(&mut self) -> io::Result<bool> {
+        while self.parents_left == 0 {
+            let Some(part) = self.parts.next() else {
+                return Ok(false);
+            };
+            self.offsets = Some(rewind(&part.parent_offsets));
+            self.parents_left = part.parents;
+        }
+        let offsets = self.offsets.as_mut().expect("a part is open");
+        self.need = Some(varint::read(offsets)?);
+        self.parents_left -= 1;
+        self.kid_keys.clear();
+        Ok(true)
+    }
+
+    /// Writes the bucket entries of the parent whose children are all in.
+    fn close_parent(&mut self) -> io::Result<()> {
+        let hi = self.lo + self.kid_keys.len() as u64;
+        let b = BucketSlice::new(self.lo, hi, self.stride);
+        // Entry j: the first child in bucket j + 1 or later (keys ascend with the tokens, so
+        // buckets do too).
+        let mut r = 0usize;
+        for j in 0..b.entries {
+            while r < self.kid_keys.len() && b.bucket(self.kid_keys[r]) <= j {
+                r += 1;
+            }
+            self.out.push(r as u64)?;
+        }
+        self.lo = hi;
+        self.need = None;
+        Ok(())
+    }
+
+    fn finish(mut self) -> io::Result<()> {
+        // Parents after the last child have none.
+        loop {
+            if self.need.is_none() && !self.next_parent()? {
+                break;
+            }
+            if self.need != Some(0) {
+                return Err(io::Error::other(
+                    "internal: the spooled children counts exceed the spooled n-grams",
+                ));
+            }
+            self.close_parent()?;
+        }
+        self.out.finish()?;
+        Ok(())
+    }
+}
+
+impl<W: Write> ColumnSink for BucketSink<'_, W> {
+    fn take(&mut self, chunk: &Decoded) -> io::Result<()> {
+        let mut tokens = &chunk.tokens[..];
+        while !tokens.is_empty() {
+            let need = match self.need {
+                Some(need) => need,
+                None => {
+                    if !self.next_parent()? {
+                        return Err(io::Error::other(
+                            "internal: more spooled n-grams than their parents' children",
+                        ));
+                    }
+                    continue;
+                }
+            };
+            let take = (need as usize).min(tokens.len());
+            for &t in &tokens[..take] {
+                self.kid_keys.push(self.keys[t as usize]);
+            }
+            tokens = &tokens[take..];
+            self.need = Some(need - take as u64);
+            if need as usize == take {
+                self.close_parent()?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1216,110 +1369,138 @@ impl Spool<'_> {
     }
 
     /// Writes, in one pass over order `n`'s spooled pairs, every section `writers` holds: its
-    /// tokens and counts (ranks, or codes and escapes) and order n-1's child buckets.
+    /// tokens and counts (ranks, or codes and escapes) and order n-1's child buckets. With
+    /// `fan_out`, the pairs are decoded on this thread and each column group packed on a
+    /// thread of its own (the groups take a chunk of decoded n-grams at a time; the output is
+    /// the same bytes).
     fn write_columns(
         &self,
         n: usize,
         header: &Header,
         writers: &mut [(usize, SectionKind, SectionWriter<'_>)],
+        fan_out: bool,
     ) -> Result<()> {
         let io = |e: io::Error| self.io(e);
         let level = &self.levels[n - 2];
         let rec = &header.orders[n - 1];
         let mut tokens = None;
-        let mut ranks = None;
-        let mut codes = None;
-        let mut escapes = None;
+        let mut counts = CountSink {
+            ranks: None,
+            codes: None,
+            escapes: None,
+            width: rec.count_width,
+            escaped: 0,
+        };
         let mut buckets = None;
         for (_, kind, w) in writers.iter_mut() {
             match kind {
                 SectionKind::Tokens => tokens = Some(PackedWriter::new(w, self.bits)),
-                SectionKind::CountRanks => ranks = Some(PackedWriter::new(w, rec.count_width)),
-                SectionKind::CountCodes => codes = Some(CodedWriter::new(w, rec.count_width)),
+                SectionKind::CountRanks => {
+                    counts.ranks = Some(PackedWriter::new(w, rec.count_width));
+                }
+                SectionKind::CountCodes => {
+                    counts.codes = Some(CodedWriter::new(w, rec.count_width));
+                }
                 SectionKind::CountEscapes => {
                     let ew = escape_width(rec.count_values, rec.count_width);
-                    escapes = Some(PackedWriter::new(w, ew));
+                    counts.escapes = Some(PackedWriter::new(w, ew));
                 }
                 SectionKind::ChildBuckets => {
-                    buckets = Some(PackedWriter::new(w, header.orders[n - 2].bucket_width));
+                    buckets = Some(BucketSink {
+                        out: PackedWriter::new(w, header.orders[n - 2].bucket_width),
+                        keys: self.token_keys(),
+                        stride: self.bucket_stride,
+                        parts: level.parts.iter(),
+                        offsets: None,
+                        parents_left: 0,
+                        lo: 0,
+                        need: None,
+                        kid_keys: Vec::new(),
+                    });
                 }
                 _ => unreachable!("not a column section"),
             }
         }
-
+        let has_counts = counts.ranks.is_some() || counts.codes.is_some();
         let rank = level.rank_of();
-        let width = rec.count_width;
-        let keys = buckets.as_ref().map(|_| self.token_keys());
-        let tok_mask = (1u64 << self.bits) - 1;
-        let mut kid_keys: Vec<u32> = Vec::new();
-        let mut escaped = 0u64;
-        // Entries of order n before the part.
-        let mut base = 0u64;
-        for part in &level.parts {
-            let mut raw = rewind(&part.raw);
-            let mut last = 0u64;
-            // The children of each parent in turn (the buckets are per parent).
-            let mut offs = rewind(&part.parent_offsets);
-            let mut lo = base;
-            for _ in 0..part.parents {
-                let hi = lo + varint::read(&mut offs).map_err(io)?;
-                kid_keys.clear();
-                for _ in lo..hi {
-                    let (k, c) = varint::read_pair(&mut raw, last).map_err(io)?;
+        let decode = |send: &mut dyn FnMut(Decoded) -> io::Result<()>| -> io::Result<()> {
+            let tok_mask = (1u64 << self.bits) - 1;
+            let mut chunk = Decoded::default();
+            for part in &level.parts {
+                let mut raw = rewind(&part.raw);
+                let mut last = 0u64;
+                for _ in 0..part.entries {
+                    let (k, c) = varint::read_pair(&mut raw, last)?;
                     last = k;
-                    let t = k & tok_mask;
-                    if let Some(p) = tokens.as_mut() {
-                        p.push(t).map_err(io)?;
-                    }
-                    let r = rank.get(c);
-                    if let Some(p) = ranks.as_mut() {
-                        p.push(r).map_err(io)?;
-                    }
-                    if let Some(p) = codes.as_mut() {
-                        p.push(r).map_err(io)?;
-                    }
-                    if let (Some(p), (_, Some(e))) = (escapes.as_mut(), code_of(r, width)) {
-                        p.push(e).map_err(io)?;
-                        escaped += 1;
-                    }
-                    if let Some(keys) = &keys {
-                        kid_keys.push(keys[t as usize]);
+                    chunk.tokens.push((k & tok_mask) as u32);
+                    chunk.ranks.push(rank.get(c));
+                    if chunk.tokens.len() == DECODED_CHUNK {
+                        send(std::mem::take(&mut chunk))?;
                     }
                 }
-                if let Some(p) = buckets.as_mut() {
-                    let b = BucketSlice::new(lo, hi, self.bucket_stride);
-                    // Entry j: the first child in bucket j + 1 or later (keys ascend with the
-                    // tokens, so buckets do too).
-                    let mut r = 0usize;
-                    for j in 0..b.entries {
-                        while r < kid_keys.len() && b.bucket(kid_keys[r]) <= j {
-                            r += 1;
-                        }
-                        p.push(r as u64).map_err(io)?;
-                    }
-                }
-                lo = hi;
             }
-            base += part.entries;
+            if !chunk.tokens.is_empty() {
+                send(chunk)?;
+            }
+            Ok(())
+        };
+        let mut sinks: Vec<&mut (dyn ColumnSink + Send)> = Vec::new();
+        if let Some(t) = tokens.as_mut() {
+            sinks.push(t);
+        }
+        if has_counts {
+            sinks.push(&mut counts);
+        }
+        if let Some(b) = buckets.as_mut() {
+            sinks.push(b);
+        }
+        if fan_out && sinks.len() > 1 {
+            std::thread::scope(|scope| -> io::Result<()> {
+                let mut queues = Vec::new();
+                let mut handles = Vec::new();
+                for sink in sinks {
+                    let (tx, rx) = std::sync::mpsc::sync_channel::<Arc<Decoded>>(4);
+                    queues.push(tx);
+                    handles.push(scope.spawn(move || -> io::Result<()> {
+                        for chunk in rx {
+                            sink.take(&chunk)?;
+                        }
+                        Ok(())
+                    }));
+                }
+                // A sink that failed drops its queue: the decoding stops, its error is reported.
+                let decoded = decode(&mut |chunk| {
+                    let chunk = Arc::new(chunk);
+                    for q in &queues {
+                        q.send(chunk.clone())
+                            .map_err(|_| io::Error::other("a column writer stopped"))?;
+                    }
+                    Ok(())
+                });
+                drop(queues);
+                for h in handles {
+                    h.join()
+                        .map_err(|_| io::Error::other("a column writer panicked"))??;
+                }
+                decoded
+            })
+            .map_err(io)?;
+        } else {
+            decode(&mut |chunk| {
+                for sink in sinks.iter_mut() {
+                    sink.take(&chunk)?;
+                }
+                Ok(())
+            })
+            .map_err(io)?;
         }
         if let Some(p) = tokens {
             p.finish().map_err(io)?;
         }
-        if let Some(p) = ranks {
-            p.finish().map_err(io)?;
+        if let Some(b) = buckets {
+            b.finish().map_err(io)?;
         }
-        if let Some(p) = buckets {
-            p.finish().map_err(io)?;
-        }
-        let coded = codes
-            .map(|p| p.finish().map(|r| r.2))
-            .transpose()
-            .map_err(io)?;
-        let listed = escapes
-            .map(|p| p.finish().map(|_| escaped))
-            .transpose()
-            .map_err(io)?;
-        for got in coded.into_iter().chain(listed) {
+        for got in counts.finish().map_err(io)? {
             if got != rec.count_escapes {
                 return Err(NGramError::Corrupt {
                     path: self.path.to_path_buf(),
