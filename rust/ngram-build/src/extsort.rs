@@ -237,12 +237,12 @@ impl Drop for SortedChunk<'_> {
 // ---------------------------------------------------------------------------------------
 // Run files
 
-/// Writes one sorted run: `(varint key delta, varint count)` records.
+/// Writes one sorted run: `(varint key delta, varint count)` records
+/// ([`varint::encode_pair`]).
 pub struct RunWriter {
     path: PathBuf,
     out: BufWriter<File>,
     last: Option<u64>,
-    scratch: Vec<u8>,
     records: u64,
 }
 
@@ -253,28 +253,22 @@ impl RunWriter {
             path: path.to_path_buf(),
             out: BufWriter::with_capacity(RUN_BUF, file),
             last: None,
-            scratch: Vec::with_capacity(20),
             records: 0,
         })
     }
 
     pub fn push(&mut self, key: u64, count: u64) -> Result<()> {
-        let delta = match self.last {
-            None => key,
-            Some(last) if key > last => key - last,
-            Some(last) => {
-                return Err(NGramError::InvalidArgument(format!(
-                    "{}: run keys must be strictly ascending, got {key:#x} after {last:#x}",
-                    self.path.display()
-                )))
-            }
-        };
+        if let Some(last) = self.last.filter(|&last| key <= last) {
+            return Err(NGramError::InvalidArgument(format!(
+                "{}: run keys must be strictly ascending, got {key:#x} after {last:#x}",
+                self.path.display()
+            )));
+        }
+        let mut record = [0u8; varint::MAX_PAIR_LEN];
+        let n = varint::encode_pair(self.last.unwrap_or(0), key, count, &mut record);
         self.last = Some(key);
-        self.scratch.clear();
-        varint::push(&mut self.scratch, delta);
-        varint::push(&mut self.scratch, count);
         self.out
-            .write_all(&self.scratch)
+            .write_all(&record[..n])
             .map_err(|e| spill_io(&self.path, e))?;
         self.records += 1;
         Ok(())
@@ -322,14 +316,6 @@ impl RunReader {
         })
     }
 
-    fn varint(&mut self) -> Result<u64> {
-        varint::read(&mut self.input).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => self.corrupt("truncated record"),
-            std::io::ErrorKind::InvalidData => self.corrupt("varint longer than 64 bits"),
-            _ => NGramError::io(&self.path, e),
-        })
-    }
-
     fn corrupt(&self, detail: &str) -> NGramError {
         NGramError::Corrupt {
             path: self.path.clone(),
@@ -349,13 +335,14 @@ impl RunReader {
         if at_end {
             return Ok(None);
         }
-        let delta = self.varint()?;
-        let count = self.varint()?;
-        self.last = self
-            .last
-            .checked_add(delta)
-            .ok_or_else(|| self.corrupt("key overflow"))?;
-        Ok(Some((self.last, count)))
+        let (key, count) =
+            varint::read_pair(&mut self.input, self.last).map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => self.corrupt("truncated record"),
+                std::io::ErrorKind::InvalidData => self.corrupt(&e.to_string()),
+                _ => NGramError::io(&self.path, e),
+            })?;
+        self.last = key;
+        Ok(Some((key, count)))
     }
 }
 

@@ -1,6 +1,8 @@
 //! LEB128 variable-length integers: 7 bits per byte, the lowest first, a set high bit saying
-//! another byte follows. The build's sorted count runs and the writer's spool of the highest
-//! order store counts this way: most n-grams are seen a few times, so most take one byte.
+//! another byte follows. The build's sorted count runs and the writer's spools store sorted
+//! `(key, count)` pairs this way ([`encode_pair`]: the key's increase, then the count) and
+//! the writer its parents' children counts: most n-grams are seen a few times and differ from
+//! the previous key in their last token, so a pair takes a few bytes.
 
 use std::io::{self, BufRead, BufReader, Read};
 
@@ -19,14 +21,6 @@ pub fn encode(mut v: u64, out: &mut [u8]) -> usize {
     }
     out[n] = v as u8;
     n + 1
-}
-
-/// Appends `v` to `out`.
-#[inline]
-pub fn push(out: &mut Vec<u8>, v: u64) {
-    let mut b = [0u8; MAX_LEN];
-    let n = encode(v, &mut b);
-    out.extend_from_slice(&b[..n]);
 }
 
 /// The integer at the start of `bytes` and its length; `Ok(None)` if `bytes` ends inside it.
@@ -157,7 +151,9 @@ mod tests {
             let all: Vec<u64> = values.into_iter().chain(small).collect();
             let mut bytes = Vec::new();
             for &v in &all {
-                push(&mut bytes, v);
+                let mut b = [0u8; MAX_LEN];
+                let n = encode(v, &mut b);
+                bytes.extend_from_slice(&b[..n]);
             }
             // A reader whose buffer ends inside integers takes the byte-at-a-time path.
             let mut r = BufReader::with_capacity(capacity, bytes.as_slice());
